@@ -1,0 +1,1 @@
+"""Pallas kernels, each next to its pure-jnp reference."""

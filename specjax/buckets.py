@@ -1,0 +1,86 @@
+"""Static-shape buckets: ahead-of-time compiled executables, one per bucket, with compile accounting.
+
+The JAX counterpart of CUDA-graph capture: each jitted step is lowered and
+compiled once per bucket (at warmup, or on first use), then called as a
+compiled executable, which cannot silently retrace or recompile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledBuckets:
+    """A jitted function compiled per bucket key, with a count of compiles and their time."""
+
+    def __init__(self, name: str, jitted: Callable, example_args: Callable[[Hashable], tuple[Any, ...]]):
+        """``example_args(bucket)`` returns arguments (arrays or ShapeDtypeStructs) of that bucket's shapes."""
+        self.name = name
+        self._jitted = jitted
+        self._example_args = example_args
+        self._compiled: dict[Hashable, Any] = {}
+        self.num_compiles = 0
+        self.compile_seconds = 0.0
+
+    def __contains__(self, bucket: Hashable) -> bool:
+        return bucket in self._compiled
+
+    def get(self, bucket: Hashable):
+        exe = self._compiled.get(bucket)
+        if exe is None:
+            start = time.perf_counter()
+            exe = self._jitted.lower(*self._example_args(bucket)).compile()
+            elapsed = time.perf_counter() - start
+            self.num_compiles += 1
+            self.compile_seconds += elapsed
+            self._compiled[bucket] = exe
+            logger.info("compiled %s for bucket %s in %.2fs", self.name, bucket, elapsed)
+        return exe
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_listener_lock = threading.Lock()
+_active_counters: list["CompileCounter"] = []
+_listener_installed = False
+
+
+class CompileCounter:
+    """Counts every XLA backend compile in the process while active (any jit, anywhere).
+
+    Stronger than per-bucket bookkeeping: it also catches stray eager jnp ops on
+    the host path, which compile small kernels of their own.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event == _COMPILE_EVENT:
+        for counter in _active_counters:
+            counter.count += 1
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[CompileCounter]:
+    """``with count_compiles() as c: ...; c.count`` is the number of backend compiles inside."""
+    global _listener_installed
+    with _listener_lock:
+        if not _listener_installed:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listener_installed = True
+    counter = CompileCounter()
+    _active_counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _active_counters.remove(counter)

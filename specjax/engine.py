@@ -1,0 +1,236 @@
+"""One engine step: schedule -> padded batch -> compiled step -> commit.
+
+``ModelRunner`` owns the device side (params, paged KV, compiled buckets);
+``Engine`` owns the host side (scheduler, requests) and moves tokens between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.llama import LlamaConfig, forward
+from specjax.buckets import CompiledBuckets
+from specjax.config import EngineConfig, bucket_for
+from specjax.kv_cache import AttentionMetadata, KVCache
+from specjax.sample.transforms import sample_tokens
+from specjax.scheduler import Request, ScheduledRow, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@flax.struct.dataclass
+class StepInputs:
+    """A padded ``[B, T]`` step. Padding rows/tokens write no KV and their outputs are discarded."""
+
+    tokens: jax.Array
+    """int32 [B, T]: token ids (0 in padding)."""
+    positions: jax.Array
+    """int32 [B, T]: absolute positions (0 in padding)."""
+    slot_mapping: jax.Array
+    """int32 [B, T]: KV slot per token; -1 = padding, not written."""
+    block_tables: jax.Array
+    """int32 [B, M]: each row's KV blocks; -1 = unused."""
+    last_index: jax.Array
+    """int32 [B]: index in T of each row's last real token (its logits are sampled)."""
+    temperature: jax.Array
+    """float32 [B]: 0 = greedy (also for padding rows)."""
+    top_k: jax.Array
+    """int32 [B]: 0 = off."""
+    top_p: jax.Array
+    """float32 [B]: 1 = off."""
+    seed_streams: jax.Array
+    """uint32 [B]: 0 = user seed, 1 = engine-derived seed."""
+    seeds: jax.Array
+    """uint32 [B]: per-request seed."""
+    sample_indices: jax.Array
+    """int32 [B]: output position of the token being sampled (keys the noise)."""
+
+    @classmethod
+    def zeros(cls, batch: int, length: int, max_blocks: int) -> "StepInputs":
+        """Host (numpy) buffers for one bucket, filled with the padding values."""
+        i32 = np.int32
+        return cls(
+            tokens=np.zeros((batch, length), i32),
+            positions=np.zeros((batch, length), i32),
+            slot_mapping=np.full((batch, length), -1, i32),
+            block_tables=np.full((batch, max_blocks), -1, i32),
+            last_index=np.zeros((batch,), i32),
+            temperature=np.zeros((batch,), np.float32),
+            top_k=np.zeros((batch,), i32),
+            top_p=np.ones((batch,), np.float32),
+            seed_streams=np.zeros((batch,), np.uint32),
+            seeds=np.zeros((batch,), np.uint32),
+            sample_indices=np.zeros((batch,), i32),
+        )
+
+
+def row_keys(seed_streams: jax.Array, seeds: jax.Array, sample_indices: jax.Array) -> jax.Array:
+    """Typed keys [B]: fold_in(fold_in(fold_in(key(0), stream), seed), output_index).
+
+    Depends only on the request (never on its row or batch), so seeded output is batch-invariant
+    and a recomputed (preempted) request draws the same noise.
+    """
+    base = jax.random.key(0)
+    return jax.vmap(
+        lambda st, s, i: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, st), s), i)
+    )(seed_streams, seeds, sample_indices)
+
+
+def sample_rows(logits: jax.Array, inputs: StepInputs) -> jax.Array:
+    """Sample one token per row of ``logits [B, V]``; skips the sort when no row filters."""
+    temperature, top_k, top_p = inputs.temperature, inputs.top_k, inputs.top_p
+    keys = row_keys(inputs.seed_streams, inputs.seeds, inputs.sample_indices)
+    random_rows = temperature > 0
+    filtering = jnp.any(random_rows & ((top_k > 0) | (top_p < 1.0)))
+
+    def with_filters():
+        return sample_tokens(logits, temperature, top_k, top_p, keys)
+
+    def without_filters():
+        return sample_tokens(logits, temperature, None, None, keys)
+
+    def greedy_only():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(
+        jnp.any(random_rows), lambda: jax.lax.cond(filtering, with_filters, without_filters), greedy_only
+    )
+
+
+def decode_step(
+    params, kv_cache: KVCache, inputs: StepInputs, *, config: LlamaConfig
+) -> tuple[jax.Array, KVCache]:
+    """Forward a padded step through the target and sample each row's next token.
+
+    Returns (int32 [B] next tokens, new KV cache). The cache argument is donated.
+    """
+    md = AttentionMetadata(slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables)
+    logits, _, kv_cache = forward(
+        params, inputs.tokens, inputs.positions, kv_cache, md, config=config, logits_indices=inputs.last_index[:, None]
+    )
+    return sample_rows(logits[:, 0], inputs), kv_cache
+
+
+class ModelRunner:
+    """Device side: parameters, the paged KV cache and the compiled step of every bucket."""
+
+    def __init__(self, model_config: LlamaConfig, params, engine_config: EngineConfig, *, kv_dtype):
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.params = params
+        self.kv_cache = KVCache.allocate(
+            num_layers=model_config.num_hidden_layers,
+            num_blocks=engine_config.total_kv_blocks,
+            block_size=engine_config.block_size,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            dtype=kv_dtype,
+        )
+        jitted = jax.jit(functools.partial(decode_step, config=model_config), donate_argnums=(1,))
+        self.decode = CompiledBuckets("decode_step", jitted, self._example_args)
+
+    def _example_args(self, bucket: tuple[int, int]):
+        batch, length = bucket
+        inputs = StepInputs.zeros(batch, length, self.engine_config.blocks_per_seq)
+        return self.params, self.kv_cache, inputs
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        cfg = self.engine_config
+        return [(b, t) for b in cfg.row_buckets for t in cfg.length_buckets]
+
+    def warmup(self) -> None:
+        """Compile every (rows, query length) bucket now, so generation compiles nothing."""
+        for bucket in self.buckets:
+            self.decode.get(bucket)
+
+    @property
+    def num_compiles(self) -> int:
+        return self.decode.num_compiles
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.decode.compile_seconds
+
+    def execute(self, rows: list[ScheduledRow], scheduler: Scheduler) -> np.ndarray:
+        """Run one step over ``rows``; returns the sampled token of every row (int32 [len(rows)])."""
+        cfg = self.engine_config
+        batch = bucket_for(len(rows), cfg.row_buckets, "num_seqs")
+        length = bucket_for(max(r.num_new for r in rows), cfg.length_buckets, "query_len")
+        inputs = StepInputs.zeros(batch, length, cfg.blocks_per_seq)
+        for i, row in enumerate(rows):
+            req = row.request
+            n = row.num_new
+            positions = np.arange(row.start, row.start + n, dtype=np.int32)
+            inputs.tokens[i, :n] = req.token_ids(row.start, row.start + n)
+            inputs.positions[i, :n] = positions
+            inputs.slot_mapping[i, :n] = scheduler.blocks.slots(req.request_id, positions)
+            table = scheduler.blocks.table(req.request_id)
+            inputs.block_tables[i, : len(table)] = table
+            inputs.last_index[i] = n - 1
+            params = req.params
+            inputs.temperature[i] = params.temperature
+            inputs.top_k[i] = params.top_k_or_off
+            inputs.top_p[i] = params.top_p
+            inputs.seed_streams[i] = req.seed_stream
+            inputs.seeds[i] = req.seed
+            inputs.sample_indices[i] = len(req.output_token_ids)
+        exe = self.decode.get((batch, length))
+        next_tokens, self.kv_cache = exe(self.params, self.kv_cache, inputs)
+        return np.asarray(next_tokens)[: len(rows)]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters the engine keeps (``LLM.get_metrics`` reports them)."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_finished_requests: int = 0
+    step_seconds: float = 0.0
+
+
+class Engine:
+    """Host loop: add requests, step until done. Finished requests are handed back by ``step``."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig):
+        self.runner = runner
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.stats = EngineStats()
+
+    def add_request(self, request: Request) -> None:
+        self.stats.num_prompt_tokens += len(request.prompt_token_ids)
+        self.scheduler.add(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that finished in it."""
+        start = time.perf_counter()
+        rows = self.scheduler.schedule()
+        next_tokens = self.runner.execute(rows, self.scheduler)
+        finished = []
+        for row, token in zip(rows, next_tokens.tolist()):
+            if not row.samples:
+                row.request.num_computed_tokens = row.start + row.num_new
+                continue
+            kept = self.scheduler.commit(row, [token])
+            self.stats.num_generated_tokens += len(kept)
+            if row.request.finish_reason is not None:
+                finished.append(row.request)
+        self.stats.num_finished_requests += len(finished)
+        self.stats.num_steps += 1
+        self.stats.step_seconds += time.perf_counter() - start
+        return finished

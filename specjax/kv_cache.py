@@ -1,0 +1,196 @@
+"""Paged KV cache: device arrays, masked-scatter writes, paged attention, host block manager.
+
+Layout: each layer owns two flat slot arrays ``k, v: [num_slots, G, E]`` with
+``num_slots = num_blocks * block_size``. Token at position p of a request lives
+in slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+Shape letters (one code across the code base): b rows, t query tokens of a row,
+s key positions, h query heads, g kv heads, r query heads per kv head (h = g*r),
+e head dim, m blocks per row, v vocabulary, d model dim, f ffn dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+    """Where a padded ``[B, T]`` batch of query tokens reads and writes KV.
+
+    Padding query tokens have ``slot_mapping == -1`` (nothing written) and their
+    outputs are ignored by the caller. Padding rows have all-(-1) block tables.
+    """
+
+    slot_mapping: jax.Array
+    """int32 [B, T]: flat cache slot each query token's K/V is written to; -1 = do not write."""
+    block_tables: jax.Array
+    """int32 [B, M]: physical block ids of each row's sequence, in order; -1 = unused entry."""
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer paged K/V arrays. Donate this to every step so writes happen in place."""
+
+    k: tuple[jax.Array, ...]
+    """Per layer, [num_slots, G, E] keys (RoPE already applied)."""
+    v: tuple[jax.Array, ...]
+    """Per layer, [num_slots, G, E] values."""
+    block_size: int = flax.struct.field(pytree_node=False)
+    """Tokens per block (static)."""
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_slots // self.block_size
+
+    @classmethod
+    def allocate(
+        cls, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
+    ) -> "KVCache":
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            block_size=block_size,
+        )
+
+
+def write_kv(
+    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Masked scatter of ``k, v: [B, T, G, E]`` into ``[num_slots, G, E]`` caches.
+
+    ``-1`` slots are remapped past the end: with ``mode="drop"`` they write
+    nothing. (JAX would otherwise wrap a negative index to the last slot.)
+    """
+    num_slots = k_cache.shape[0]
+    slots = slot_mapping.reshape(-1)  # [B*T]
+    slots = jnp.where(slots < 0, num_slots, slots)
+    g, e = k.shape[-2:]
+    k_cache = k_cache.at[slots].set(k.reshape(-1, g, e).astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[slots].set(v.reshape(-1, g, e).astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
+
+
+def gather_kv(cache: jax.Array, block_tables: jax.Array, block_size: int) -> jax.Array:
+    """Gather each row's keys (or values) in position order: ``[B, M*block_size, G, E]``."""
+    blocks = jnp.maximum(block_tables, 0)  # [B, M]; unused entries read block 0, masked later
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    slots = (blocks[:, :, None] * block_size + offsets).reshape(blocks.shape[0], -1)  # [B, S]
+    return cache[slots]
+
+
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    *,
+    block_size: int,
+    scale: float,
+) -> jax.Array:
+    """Causal attention of ``q: [B, T, H, E]`` over each row's paged keys, pure jnp.
+
+    Query token at position p sees exactly the key positions s <= p of its row.
+    The current step's K/V must already be written. This works for any T >= 1:
+    decode (T=1), chunked prefill and multi-token verification alike.
+    Returns ``[B, T, H, E]`` in q's dtype.
+    """
+    b, t, h, e = q.shape
+    keys = gather_kv(k_cache, block_tables, block_size)  # [B, S, G, E]
+    values = gather_kv(v_cache, block_tables, block_size)  # [B, S, G, E]
+    g = keys.shape[2]
+    r = h // g
+    qg = q.reshape(b, t, g, r, e)
+    scores = jnp.einsum("btgre,bsge->bgrts", qg, keys, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)  # [S]
+    visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)  # [B, G, R, T, S]
+    out = jnp.einsum("bgrts,bsge->btgre", weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, e).astype(q.dtype)
+
+
+def dense_causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+    """Dense reference for tests: ``q [B,T,H,E]`` over contiguous ``k, v [B,S,G,E]``, mask s <= position."""
+    b, t, h, e = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, t, g, h // g, e).astype(jnp.float32)
+    scores = jnp.einsum("btgre,bsge->bgrts", qg, k.astype(jnp.float32)) / math.sqrt(e)
+    visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    out = jnp.einsum("bgrts,bsge->btgre", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
+    return out.reshape(b, t, h, e)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+class OutOfBlocks(Exception):
+    """Raised by :class:`BlockManager` when the free pool cannot satisfy an allocation."""
+
+
+@dataclasses.dataclass
+class BlockManager:
+    """Host-side allocator of KV blocks to requests (one block table per request).
+
+    Blocks are handed out from a LIFO free list; freeing returns them. Block 0..N-1
+    are all usable: padding never writes (slot -1) so no block needs reserving.
+    """
+
+    num_blocks: int
+    block_size: int
+    _free: list[int] = dataclasses.field(init=False)
+    _tables: dict[str, list[int]] = dataclasses.field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """Extra blocks ``request_id`` needs to hold ``num_tokens`` tokens in total."""
+        have = len(self._tables.get(request_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        return self.blocks_needed(request_id, num_tokens) <= len(self._free)
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow ``request_id``'s table to cover ``num_tokens`` tokens; all-or-nothing."""
+        need = self.blocks_needed(request_id, num_tokens)
+        if need > len(self._free):
+            raise OutOfBlocks(f"request {request_id!r} needs {need} blocks, {len(self._free)} free")
+        table = self._tables.setdefault(request_id, [])
+        for _ in range(need):
+            table.append(self._free.pop())
+        return table
+
+    def table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def free(self, request_id: str) -> None:
+        for block in reversed(self._tables.pop(request_id, [])):
+            self._free.append(block)
+
+    def slots(self, request_id: str, positions: np.ndarray) -> np.ndarray:
+        """Flat slots of ``positions`` (which must be covered by the request's table)."""
+        table = np.asarray(self._tables[request_id], dtype=np.int64)
+        return (table[positions // self.block_size] * self.block_size + positions % self.block_size).astype(np.int32)

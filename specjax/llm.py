@@ -1,0 +1,256 @@
+"""The user-facing facade, shaped like vLLM's: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.llama import LlamaConfig
+from models.loading import load_hf_model, load_tokenizer, read_generation_eos
+from specjax.config import EngineConfig, SamplingParams
+from specjax.engine import Engine, ModelRunner
+from specjax.scheduler import Request
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            raise ValueError("prompts: a bare list of ints is ambiguous; pass {'prompt_token_ids': [...]}")
+        return list(prompts)
+    raise ValueError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+
+
+class LLM:
+    """Load a Hugging Face-format Llama-family checkpoint and generate from it.
+
+    Args mirror vLLM's ``LLM``. ``warmup=True`` compiles every static-shape
+    bucket up front (the JAX counterpart of CUDA-graph capture), so generation
+    then compiles nothing.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        tokenizer: str | os.PathLike | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        max_num_seqs: int = 8,
+        tensor_parallel_size: int = 1,
+        speculative_config: dict | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_prefill_chunk: int = 128,
+        warmup: bool = True,
+    ):
+        if model is None:
+            raise ValueError("model: a Hugging Face model directory is required (no built-in model ships yet)")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
+        if speculative_config is not None:
+            raise ValueError("speculative_config is not supported yet: speculative decoding is not wired in")
+        self.model_path = os.fspath(model)
+        self.model_config, params = load_hf_model(self.model_path, dtype=dtype)
+        max_pos = self.model_config.max_position_embeddings
+        if max_pos and max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+        window = self.model_config.sliding_window
+        if window is not None and max_model_len > window:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's sliding_window={window}; "
+                "sliding-window attention is not implemented, so keep max_model_len <= sliding_window"
+            )
+        self.engine_config = EngineConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_chunk=max_prefill_chunk,
+            seed=seed,
+        )
+        self.tokenizer = load_tokenizer(os.fspath(tokenizer) if tokenizer is not None else self.model_path)
+        self.eos_token_ids = tuple(read_generation_eos(self.model_path, self.model_config))
+        self.runner = ModelRunner(self.model_config, params, self.engine_config, kv_dtype=_DTYPES[dtype])
+        self.engine = Engine(self.runner, self.engine_config)
+        self._request_counter = itertools.count()
+        self._generate_seconds = 0.0
+        if warmup:
+            start = time.perf_counter()
+            self.runner.warmup()
+            logger.info("warmup compiled %d buckets in %.1fs", self.runner.num_compiles, time.perf_counter() - start)
+
+    @property
+    def config(self) -> LlamaConfig:
+        return self.model_config
+
+    # ------------------------------------------------------------------ requests
+
+    def _prompt_ids(self, prompt, index: int) -> tuple[str | None, list[int]]:
+        field = f"prompts[{index}]"
+        if isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"{field} has unknown keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'")
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if ids is None and text is None:
+                raise ValueError(f"{field} needs 'prompt' or 'prompt_token_ids'")
+        else:
+            raise ValueError(f"{field} must be a str or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"{field}.prompt must be a str, got {type(text).__name__}")
+            if self.tokenizer is None:
+                raise ValueError(f"{field} is text but the model has no tokenizer.json; pass prompt_token_ids")
+            ids = self.tokenizer.encode(text).ids
+        ids_arr = np.asarray(ids)
+        if ids_arr.ndim != 1 or (ids_arr.size and not np.issubdtype(ids_arr.dtype, np.integer)):
+            raise ValueError(f"{field}.prompt_token_ids must be a flat list of ints")
+        ids = [int(t) for t in ids_arr]
+        if not ids:
+            raise ValueError(f"{field} is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"{field}.prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+        if len(ids) > self.engine_config.max_model_len:
+            raise ValueError(
+                f"{field} has {len(ids)} tokens, more than max_model_len={self.engine_config.max_model_len}"
+            )
+        return text, ids
+
+    def _make_request(self, ids: list[int], params: SamplingParams) -> Request:
+        n = next(self._request_counter)
+        if params.seed is not None:
+            seed, stream = params.seed, 0
+        else:
+            # Derived seeds differ per request and per LLM seed; stream 1 keeps them apart from user seeds.
+            seed = (self.engine_config.seed * 0x9E3779B1 + n) % 2**32
+            stream = 1
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        return Request(
+            request_id=str(n), prompt_token_ids=ids, params=params, seed=seed, seed_stream=stream,
+            stop_ids=frozenset(stop_ids),
+        )
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts`` (str, {'prompt_token_ids': [...]}, {'prompt': str} or a list).
+
+        Every prompt is validated before any runs: a bad one raises ValueError
+        naming it, and the engine is left as it was.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
+                )
+        for i, p in enumerate(params_list):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        parsed = [self._prompt_ids(p, i) for i, p in enumerate(prompt_list)]
+        requests = [self._make_request(ids, params) for (_, ids), params in zip(parsed, params_list)]
+        for request in requests:
+            self.engine.add_request(request)
+        start = time.perf_counter()
+        bar = None
+        if use_tqdm and len(requests) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc="generate", unit="req")
+        try:
+            while self.engine.has_unfinished:
+                finished = self.engine.step()
+                if bar is not None and finished:
+                    bar.update(len(finished))
+                    bar.set_postfix(tok_s=f"{self.engine.stats.num_generated_tokens / (time.perf_counter() - start):.1f}")
+        finally:
+            if bar is not None:
+                bar.close()
+        self._generate_seconds += time.perf_counter() - start
+        return [
+            RequestOutput(
+                request_id=r.request_id,
+                prompt=text,
+                prompt_token_ids=list(r.prompt_token_ids),
+                outputs=[CompletionOutput(0, self._decode(r.output_token_ids), list(r.output_token_ids), r.finish_reason)],
+            )
+            for (text, _), r in zip(parsed, requests)
+        ]
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def warmup(self) -> None:
+        """Compile every bucket now (``LLM(warmup=True)`` already did)."""
+        self.runner.warmup()
+
+    def get_metrics(self) -> dict[str, Any]:
+        s = self.engine.stats
+        return {
+            "num_requests": s.num_finished_requests,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_steps": s.num_steps,
+            "num_preemptions": self.engine.scheduler.num_preemptions,
+            "num_compiles": self.runner.num_compiles,
+            "compile_seconds": self.runner.compile_seconds,
+            "generate_seconds": self._generate_seconds,
+            "generation_tokens_per_s": s.num_generated_tokens / self._generate_seconds if self._generate_seconds else 0.0,
+        }

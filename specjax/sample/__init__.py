@@ -1,0 +1,1 @@
+"""Logits transforms, the plain sampler and the rejection sampler front end."""

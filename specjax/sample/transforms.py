@@ -1,0 +1,125 @@
+"""Logits transforms and categorical sampling shared by every sampler.
+
+The plain sampler, the rejection sampler (target rows) and model drafts (draft
+rows) all go through :func:`transform_logits`, so the acceptance test compares
+distributions that were shaped identically. The order is fixed:
+temperature -> top-k -> top-p (vLLM's order; tpu-inference's verifier applies
+top-k/top-p before temperature, which makes spec and plain sampling disagree).
+
+Shape letters: b rows, t positions in a row, v vocabulary.
+Per-row parameters are ``[B]`` and broadcast over any middle axes, so logits may
+be ``[B, V]`` or ``[B, T, V]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = float("-inf")
+
+
+def _per_row(x: jax.Array, ndim: int) -> jax.Array:
+    """Reshape a ``[B]`` parameter so it broadcasts against ``[B, ..., V]``."""
+    return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def apply_temperature(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """Divide logits by the row temperature; greedy rows (temperature 0) are left as is.
+
+    Greedy rows are decided by argmax on the raw logits, so they must not be
+    divided by zero (or by a sentinel such as -1, which flips the argmax).
+    """
+    t = _per_row(temperature.astype(jnp.float32), logits.ndim)
+    return logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array | None, top_p: jax.Array | None) -> jax.Array:
+    """Mask logits outside the top-k set and then outside the top-p nucleus with -inf.
+
+    top_k: int32 [B]; <= 0 or >= V means off. top_p: float [B]; >= 1 means off.
+    One descending sort serves both filters. Tokens tied with the threshold
+    logit are kept (so the kept set may exceed k by ties; never falls short).
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    nd = logits.ndim
+    sorted_desc = -jnp.sort(-logits, axis=-1)  # [B, ..., V]
+    threshold = jnp.full(logits.shape[:-1] + (1,), _NEG_INF, logits.dtype)
+    if top_k is not None:
+        k = _per_row(top_k.astype(jnp.int32), nd)
+        k_on = (k > 0) & (k < vocab)
+        k_idx = jnp.clip(k - 1, 0, vocab - 1)
+        kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k_idx, threshold.shape), axis=-1)
+        threshold = jnp.where(k_on, kth, threshold)
+        # Top-p acts on the distribution that survived top-k.
+        sorted_desc = jnp.where(sorted_desc >= threshold, sorted_desc, _NEG_INF)
+    if top_p is not None:
+        p = _per_row(top_p.astype(jnp.float32), nd)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)  # [B, ..., V], descending
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # Keep a token while the mass strictly before it is < top_p; the first always stays.
+        num_kept = jnp.maximum(jnp.sum(mass_before < p, axis=-1, keepdims=True), 1)
+        pth = jnp.take_along_axis(sorted_desc, num_kept - 1, axis=-1)
+        threshold = jnp.where(p < 1.0, jnp.maximum(threshold, pth), threshold)
+    return jnp.where(logits >= threshold, logits, _NEG_INF)
+
+
+def transform_logits(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array | None = None,
+    top_p: jax.Array | None = None,
+) -> jax.Array:
+    """Temperature, then top-k, then top-p. Returns float32 logits with -inf outside the support."""
+    return apply_top_k_top_p(apply_temperature(logits, temperature), top_k, top_p)
+
+
+def row_exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Exp(1) noise of ``[B, *shape]`` with row b drawn from ``keys[b]`` alone.
+
+    Drawing per row (not one draw for the whole batch) is what makes a seeded
+    request's samples independent of its batch neighbours.
+    """
+    return jax.vmap(lambda k: jax.random.exponential(k, shape, jnp.float32))(keys)
+
+
+def sample_with_exponentials(probs_or_logits: jax.Array, exponentials: jax.Array, *, logits: bool) -> jax.Array:
+    """Exponential race: argmax_x p(x) / E_x with E_x ~ Exp(1) is a draw from p.
+
+    Needs no sort and no cumsum. With logits, the same race is
+    argmax_x (l(x) - log E_x) (Gumbel-max). Returns int32 indices over the last axis.
+    """
+    if logits:
+        scores = probs_or_logits - jnp.log(exponentials)
+    else:
+        scores = probs_or_logits / exponentials
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def sample_tokens(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array | None,
+    top_p: jax.Array | None,
+    keys: jax.Array,
+) -> jax.Array:
+    """Sample one token per row of ``logits [B, V]``; greedy rows take the argmax of the raw logits.
+
+    keys: typed PRNG keys ``[B]`` (one per request; see :func:`request_keys`).
+    Returns int32 [B].
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+    shaped = transform_logits(logits, temperature, top_k, top_p)  # [B, V]
+    sampled = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def request_keys(base_key: jax.Array, seeds: jax.Array, step_indices: jax.Array) -> jax.Array:
+    """Per-request keys ``fold_in(fold_in(base_key, seed), step_index)`` for ``[B]`` seeds and steps.
+
+    step_index is the request's own output position (not the engine step), so a
+    preempted-and-recomputed request, or one batched differently, draws the same noise.
+    """
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base_key, s), i))(seeds, step_indices)

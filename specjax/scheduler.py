@@ -1,0 +1,177 @@
+"""Requests, continuous batching with chunked prefill, KV block allocation and preemption.
+
+Everything here is host-side Python over small lists; the device never waits on
+it for more than the one fetch of sampled tokens per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+
+from specjax.config import EngineConfig, SamplingParams
+from specjax.kv_cache import BlockManager
+
+logger = logging.getLogger(__name__)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request and its progress."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    """Noise seed (the request's own, or one the engine derived)."""
+    seed_stream: int
+    """0 when ``seed`` came from the user, 1 when the engine derived it (keeps the two apart)."""
+    stop_ids: frozenset[int]
+    """Token ids that finish the request (EOS unless ignore_eos, plus stop_token_ids)."""
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens of prompt + output whose KV is in the cache."""
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """One row of a step: ``num_new`` tokens of ``request`` starting at ``start``."""
+
+    request: Request
+    start: int
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens, so its last logits give a new token."""
+        return self.start + self.num_new == self.request.num_tokens
+
+
+class Scheduler:
+    """Continuous batching: running requests first (decode or unfinished prefill), then admit waiting ones.
+
+    A step's token budget caps decode tokens plus prefill chunks. When the KV
+    pool runs dry, the most recently admitted running request is preempted:
+    its blocks are freed and it is recomputed later from prompt + output so far
+    (its sampled tokens are kept, and its noise is keyed by output position, so
+    it finishes with the output it would have had).
+    """
+
+    def __init__(self, config: EngineConfig, *, num_lookahead_tokens: int = 0):
+        self.config = config
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.blocks = BlockManager(config.total_kv_blocks, config.block_size)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+    def _reserve(self, request: Request, num_new: int) -> bool:
+        """Allocate blocks for ``num_new`` more tokens (+ lookahead), capped at max_model_len."""
+        total = min(request.num_computed_tokens + num_new + self.num_lookahead_tokens, self.config.max_model_len)
+        if not self.blocks.can_allocate(request.request_id, total):
+            return False
+        self.blocks.allocate(request.request_id, total)
+        return True
+
+    def schedule(self) -> list[ScheduledRow]:
+        budget = self.config.token_budget
+        chunk = self.config.prefill_chunk
+        rows: list[ScheduledRow] = []
+        # Running requests in admission order; preemption takes from the back.
+        for request in list(self.running):
+            if request.status is not Status.RUNNING or budget <= 0:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            while not self._reserve(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING:
+                continue
+            rows.append(ScheduledRow(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            if not self._reserve(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            rows.append(ScheduledRow(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        if not rows and self.has_unfinished:
+            raise RuntimeError("scheduler made no progress: KV pool too small for a single request")
+        return rows
+
+    def commit(self, row: ScheduledRow, new_token_ids: list[int]) -> list[int]:
+        """Advance ``row``'s request by its computed chunk and append sampled tokens.
+
+        Stop conditions are checked token by token, so tokens after a stop token
+        (possible with multi-token steps) are dropped. Returns the tokens kept.
+        """
+        request = row.request
+        request.num_computed_tokens = row.start + row.num_new
+        kept: list[int] = []
+        for token in new_token_ids:
+            request.output_token_ids.append(token)
+            kept.append(token)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+                break
+        return kept
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        if token in request.stop_ids:
+            return "stop"
+        if len(request.output_token_ids) >= request.params.max_tokens:
+            return "length"
+        if request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        self.running.remove(request)
+        self.blocks.free(request.request_id)

@@ -1,0 +1,191 @@
+"""The engine end to end: greedy parity with transformers, compiles, preemption, seeds, stops, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import specjax
+from specjax.buckets import count_compiles
+from tiny_models import make_tiny_checkpoint
+
+# Small buckets keep compile time low: rows (1, 2, 4) x query lengths (1, 4, 16).
+ENGINE_KW = dict(max_model_len=64, max_num_seqs=4, block_size=8, max_prefill_chunk=16)
+EOS = 3
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), family="llama", num_kv_heads=2, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return specjax.LLM(llama_dir, warmup=False, **ENGINE_KW)
+
+
+def _prompts(seed: int, lengths, vocab: int = 128):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(4, vocab, size=n).tolist()} for n in lengths]
+
+
+def _hf_greedy(model_dir, prompt_ids, max_new_tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    outs = []
+    for ids in prompt_ids:
+        with torch.no_grad():
+            gen = model.generate(
+                torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0,
+            )
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize(
+    "family,kw",
+    [
+        ("llama", dict(num_kv_heads=2)),
+        ("llama", dict(num_kv_heads=1, tie_word_embeddings=True)),
+        ("qwen2", dict(num_kv_heads=2)),
+        ("qwen3", dict(num_kv_heads=2)),
+        ("mistral", dict(num_kv_heads=4)),
+    ],
+    ids=["llama-gqa", "llama-mqa-tied", "qwen2", "qwen3", "mistral"],
+)
+def test_greedy_matches_transformers_generate(tmp_path, family, kw):
+    model_dir = make_tiny_checkpoint(tmp_path, family=family, eos_token_id=EOS, **kw)
+    # Ragged batch; 23 and 37 tokens exercise chunked prefill (chunk 16) and multi-block tables.
+    prompts = _prompts(1, [5, 23, 1, 37, 9])
+    llm = specjax.LLM(model_dir, warmup=False, **ENGINE_KW)
+    outs = llm.generate(prompts, specjax.SamplingParams(temperature=0.0, max_tokens=12))
+    ref = _hf_greedy(model_dir, [p["prompt_token_ids"] for p in prompts], 12)
+    for out, expected in zip(outs, ref):
+        assert out.outputs[0].token_ids == expected
+        reason = "stop" if expected[-1] == EOS else "length"
+        assert out.outputs[0].finish_reason == reason
+
+
+def test_steady_state_compiles_nothing(llama_dir):
+    llm = specjax.LLM(llama_dir, warmup=True, **ENGINE_KW)
+    warm = llm.get_metrics()["num_compiles"]
+    assert warm == 9  # every (rows, query length) bucket, once
+    with count_compiles() as counter:
+        for seed, lengths in enumerate([[3], [7, 30, 2], [50, 1, 17, 4], [12, 12]]):
+            params = [
+                specjax.SamplingParams(temperature=0.0, max_tokens=6),
+                specjax.SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_tokens=9, seed=seed),
+                specjax.SamplingParams(temperature=1.0, max_tokens=4),
+                specjax.SamplingParams(temperature=0.5, top_p=0.5, max_tokens=5),
+            ][: len(lengths)]
+            llm.generate(_prompts(seed, lengths), params)
+    assert counter.count == 0
+    assert llm.get_metrics()["num_compiles"] == warm
+
+
+def test_preemption_gives_identical_outputs(llama_dir, llm):
+    prompts = _prompts(5, [20, 25, 30, 18])
+    params = [
+        specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        specjax.SamplingParams(temperature=0.9, max_tokens=20, seed=1, ignore_eos=True),
+        specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        specjax.SamplingParams(temperature=1.0, top_k=8, max_tokens=20, seed=2, ignore_eos=True),
+    ]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # 10 blocks of 8 tokens cannot hold four requests of ~45 tokens: some must be preempted.
+    small = specjax.LLM(llama_dir, warmup=False, num_kv_blocks=10, **ENGINE_KW)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
+    assert small.get_metrics()["num_preemptions"] > 0
+    assert got == expected
+
+
+def test_seeded_sampling_is_batch_invariant(llm):
+    target = _prompts(9, [11])[0]
+    params = specjax.SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], params)[0].outputs[0].token_ids
+    others = _prompts(10, [3, 29, 8])
+    mixed = llm.generate(
+        [others[0], target, others[1], others[2]],
+        [specjax.SamplingParams(temperature=0.7, max_tokens=5), params,
+         specjax.SamplingParams(temperature=0.0, max_tokens=20), specjax.SamplingParams(max_tokens=9, seed=1234)],
+    )
+    assert mixed[1].outputs[0].token_ids == alone
+    again = llm.generate([target], params)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = llm.generate([target], specjax.SamplingParams(
+        temperature=1.0, top_p=0.95, max_tokens=16, seed=4321, ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_tokens_max_tokens_and_max_model_len(llm):
+    prompt = _prompts(11, [6])
+    base = llm.generate(prompt, specjax.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    ids = base[0].outputs[0].token_ids
+    assert len(ids) == 10 and base[0].outputs[0].finish_reason == "length"
+    stop = ids[4]
+    first = ids.index(stop)
+    stopped = llm.generate(prompt, specjax.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                          stop_token_ids=[stop]))[0].outputs[0]
+    assert stopped.token_ids == ids[: first + 1] and stopped.finish_reason == "stop"
+    long = _prompts(12, [60])
+    capped = llm.generate(long, specjax.SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0]
+    assert len(capped.outputs[0].token_ids) == ENGINE_KW["max_model_len"] - 60
+    assert capped.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "make_call,field",
+    [
+        (lambda: ({"prompt_token_ids": []}, None), r"prompts\[1\] is empty"),
+        (lambda: ({"prompt_token_ids": list(range(4, 70))}, None), "max_model_len"),
+        (lambda: ({"prompt_token_ids": [5, 128]}, None), "prompt_token_ids"),
+        (lambda: ({"prompt_token_ids": [5, -1]}, None), "prompt_token_ids"),
+        (lambda: ({"prompt_token_ids": [5]}, dict(temperature=-0.1)), "temperature"),
+        (lambda: ({"prompt_token_ids": [5]}, dict(top_p=0.0)), "top_p"),
+        (lambda: ({"prompt_token_ids": [5]}, dict(top_p=1.5)), "top_p"),
+        (lambda: ({"prompt_token_ids": [5]}, dict(max_tokens=0)), "max_tokens"),
+        (lambda: ({"prompt_token_ids": [5]}, dict(top_k=-2)), "top_k"),
+        (lambda: ("some text", None), "tokenizer"),
+    ],
+)
+def test_bad_input_names_the_field_and_leaves_engine_usable(llm, make_call, field):
+    good = _prompts(13, [7])[0]
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = llm.generate([good], params)[0].outputs[0].token_ids
+    bad_prompt, bad_params = make_call()
+    with pytest.raises(ValueError, match=field):
+        sp = specjax.SamplingParams(**bad_params) if bad_params else params
+        llm.generate([good, bad_prompt], sp)
+    after = llm.generate([good], params)[0].outputs[0].token_ids
+    assert after == before
+    assert not llm.engine.has_unfinished
+
+
+def test_bad_model_directory(tmp_path, llama_dir):
+    with pytest.raises(ValueError, match="missing"):
+        specjax.LLM(tmp_path / "missing", warmup=False)
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    bad = tmp_path / "gpt2ish"
+    bad.mkdir()
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        specjax.LLM(bad, warmup=False)
+    with pytest.raises(ValueError, match="dtype"):
+        specjax.LLM(llama_dir, dtype="float16", warmup=False)
+
+
+def test_cli_generate(llama_dir, capsys):
+    from specjax.cli import main
+
+    rc = main(["generate", "--model", str(llama_dir), "--prompt-token-ids", "5,6,7", "--max-tokens", "4",
+               "--ignore-eos", "--no-warmup", "--max-model-len", "64"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert len(captured.out.split()) == 4
+    assert "tokens/s" in captured.err
+    assert main(["generate", "--model", str(llama_dir), "--prompt-token-ids", "5", "--temperature", "-1",
+                 "--no-warmup"]) == 2
+    assert "temperature" in capsys.readouterr().err
