@@ -218,6 +218,10 @@ class LLM:
                 if bar is not None and finished:
                     bar.update(len(finished))
                     bar.set_postfix(tok_s=f"{self.engine.stats.num_generated_tokens / (time.perf_counter() - start):.1f}")
+        except BaseException:
+            # Leave no half-run request behind to leak into the next call (or to hold KV blocks).
+            self.engine.scheduler.abort_all()
+            raise
         finally:
             if bar is not None:
                 bar.close()

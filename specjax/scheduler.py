@@ -93,6 +93,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort_all(self) -> list[Request]:
+        """Drop every unfinished request and free its blocks (after an error mid-generate)."""
+        dropped = list(self.running) + list(self.waiting)
+        for request in dropped:
+            self.blocks.free(request.request_id)
+            request.status = Status.FINISHED
+            request.finish_reason = "abort"
+        self.running.clear()
+        self.waiting.clear()
+        return dropped
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.free(request.request_id)
