@@ -35,7 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.rejection import METHODS, rejection_sample_kernel, rejection_sample_reference
+from pallas_kernels.rejection import (
+    METHODS,
+    greedy_verify_reference,
+    rejection_sample_kernel,
+    rejection_sample_reference,
+)
 from specjax.sample.transforms import row_exponentials
 
 __all__ = [
@@ -126,12 +131,20 @@ def rejection_sample_jit(
     b, k = draft_token_ids.shape
     vocab = target_logits.shape[-1]
     temperature = temperature.astype(jnp.float32)
-    uniforms, exps = draw_rejection_noise(keys, k, vocab, jnp.any(temperature > 0))
+    any_random = jnp.any(temperature > 0)
+    uniforms, exps = draw_rejection_noise(keys, k, vocab, any_random)
     args = (draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, top_k, top_p,
             uniforms, exps, conditional_rates)
     if use_kernel:
         return rejection_sample_kernel(*args, method=method, interpret=interpret)
-    return rejection_sample_reference(*args, method=method)
+    if method == "synthetic":
+        return rejection_sample_reference(*args, method=method)
+    # All-greedy batches skip the softmax/residual work (an argmax pass instead); same outputs.
+    return jax.lax.cond(
+        any_random,
+        lambda: rejection_sample_reference(*args, method=method),
+        lambda: greedy_verify_reference(draft_token_ids, num_draft_tokens, target_logits),
+    )
 
 
 def _is_concrete(x) -> bool:

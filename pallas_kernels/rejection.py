@@ -1,0 +1,344 @@
+"""Fused rejection-sampling kernels for speculative decoding, each beside its pure-jnp reference.
+
+One grid program verifies one row: it reads the row's target logits ``[K+1, V]``
+(and draft probabilities ``[K, V]`` when the draft samples) once, and does
+temperature, the acceptance test, the first-rejection search and the
+recovered/bonus draw without writing any ``[K+1, V]`` intermediate back to HBM.
+
+Both entry points, :func:`rejection_sample_kernel` (Pallas) and
+:func:`rejection_sample_reference` (jnp, ``vmap`` over rows; XLA fuses it on
+CPU), run the *same* per-row function :func:`_verify_row` on the same inputs,
+and all randomness (acceptance uniforms, Exp(1) noise) is drawn by the caller
+and passed in, so the two paths are bit-comparable for the same key.
+
+Top-k / top-p need a sort, which does not belong in the kernel: when they are
+active the logits are shaped with :func:`specjax.sample.transforms.transform_logits`
+(temperature -> top-k -> top-p) in plain jnp before the call, and the kernel
+then sees temperature 1 for those rows. Without them, temperature is applied
+in-kernel.
+
+Layout: every per-row vector is a column (positions on the sublane axis),
+``[K+1, 1]``, so it broadcasts against the ``[K+1, V]`` logits block without
+transposes; row b's blocks are selected with a squeezed leading dim (``None``).
+
+Letters: b rows, k draft positions (K+1 target positions), v vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from specjax.sample.transforms import apply_temperature, sample_with_exponentials, transform_logits
+
+METHODS = ("standard", "synthetic", "block")
+
+# Exp(1) noise from jax.random.exponential is exactly 0 with probability 2**-23 per
+# element (-log1p(-u) at u == 0). In the race p(x) / E_x that makes a score of
+# inf (or nan when p(x) == 0, and argmax picks nan), i.e. an arbitrary, possibly
+# masked, token. 0 stands for E in [0, ~2**-23), so clamp it to that interval's middle.
+MIN_EXPONENTIAL = 2.0**-24
+
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+_BIG_POS = 1 << 30  # larger than any position index
+
+
+# ----------------------------------------------------------------------------
+# Per-row math shared by the kernel body and the reference.
+# ----------------------------------------------------------------------------
+
+
+def _masked_row_sum(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """Sum over the position axis of ``x`` where ``mask``: selects one row of ``x`` without a gather."""
+    return jnp.sum(jnp.where(mask, x, jnp.zeros_like(x)), axis=0, keepdims=True)
+
+
+def _verify_row(
+    draft,  # int32 [K+1, 1]; entry K (and entries >= n) are padding
+    num_draft,  # int32 [1, 1]
+    logits,  # float [K+1, V], NaN-free (see _prepare)
+    draft_probs,  # float32 [K, V] or None (None: q is one-hot on the draft token)
+    temperature,  # float32 [1, 1]; <= 0 means greedy
+    uniforms,  # float32 [K+1, 1]; standard/synthetic: u_i at position i; block: eta_i at position i >= 1
+    exponentials,  # float32 [1, V], > 0
+    rates,  # float32 [K+1, 1] conditional synthetic rates (0 at K) or None
+    *,
+    method: str,
+):
+    """Verify one row. Returns (output ids int32 [K+1, 1], number of accepted drafts int32 [1, 1])."""
+    num_pos, vocab = logits.shape
+    pos = jax.lax.broadcasted_iota(jnp.int32, (num_pos, 1), 0)  # [K+1, 1]
+    vocab_iota = jax.lax.broadcasted_iota(jnp.int32, (num_pos, vocab), 1)  # [K+1, V]
+    n = num_draft
+    is_greedy = temperature <= 0.0  # [1, 1]
+    valid = pos < n  # [K+1, 1] positions holding a draft to verify
+
+    x = logits.astype(jnp.float32)  # [K+1, V]
+    greedy_ids = jnp.argmax(x, axis=1, keepdims=True).astype(jnp.int32)  # [K+1, 1], raw logits
+
+    # Target probabilities p at every position; a fully masked position gets p = 0
+    # (so nothing there is accepted and the draw falls back to token 0, in range).
+    s = jnp.minimum(apply_temperature(x, temperature.reshape(1)), _F32_MAX)  # [K+1, V]
+    m = jnp.max(s, axis=1, keepdims=True)  # [K+1, 1]
+    e = jnp.exp(s - jnp.where(m > -jnp.inf, m, 0.0))  # [K+1, V]
+    z = jnp.sum(e, axis=1, keepdims=True)  # [K+1, 1]
+    p = e / jnp.where(z > 0, z, 1.0)  # [K+1, V]
+
+    draft_onehot = vocab_iota == draft  # [K+1, V]; row K and padding -1 match nothing
+    if draft_probs is None:
+        q = draft_onehot.astype(jnp.float32)  # [K+1, V]
+    else:
+        q = jnp.concatenate([draft_probs.astype(jnp.float32), jnp.zeros((1, vocab), jnp.float32)], axis=0)
+        q = jnp.where(q > 0, q, 0.0)  # also maps NaN to 0
+    p_draft = jnp.sum(jnp.where(draft_onehot, p, 0.0), axis=1, keepdims=True)  # [K+1, 1] p_i(x_{i+1})
+    q_draft = jnp.sum(jnp.where(draft_onehot, q, 0.0), axis=1, keepdims=True)  # [K+1, 1] q_i(x_{i+1})
+
+    # Greedy acceptance: the draft equals the target argmax.
+    accept_greedy = draft == greedy_ids  # [K+1, 1]
+
+    if method == "block":
+        # Block verification (Sun et al., ICLR 2025). P_i in position space, P_0 = 1.
+        def body(i, carry):
+            p_prev, p_vec = carry  # [1, 1], [K+1, 1]
+            at = pos == i - 1
+            pd = _masked_row_sum(at, p_draft)  # [1, 1]
+            qd = _masked_row_sum(at, q_draft)  # [1, 1]
+            # q(x) == 0 cannot occur for a draft sampled from q; treat it as "cannot accept"
+            # like the token-wise rule (also avoids 0 * inf).
+            new = jnp.where(qd > 0, jnp.minimum(1.0, (p_prev * pd) / jnp.where(qd > 0, qd, 1.0)), 0.0)
+            return new, jnp.where(pos == i, new, p_vec)
+
+        p_init = jnp.ones((1, 1), jnp.float32)
+        _, big_p = jax.lax.fori_loop(1, num_pos, body, (p_init, jnp.where(pos == 0, 1.0, 0.0)))  # [K+1, 1]
+        residual = jnp.maximum(big_p * p - q, 0.0)  # [K+1, V]
+        z_res = jnp.sum(residual, axis=1, keepdims=True)  # [K+1, 1]
+        denom = z_res + (1.0 - big_p)
+        weight = jnp.where(denom > 0, z_res / jnp.where(denom > 0, denom, 1.0), 1.0)  # h_i, i < g
+        h = jnp.where(pos < n, weight, big_p)  # [K+1, 1]; h_g = P_g
+        # tau = the LARGEST i in 1..g with eta_i < h_i (strict: eta is on a grid in [0, 1),
+        # and h = 0 must never accept). Earlier failures do not stop the scan.
+        hit = (pos >= 1) & (pos <= n) & (uniforms < h)
+        tau = jnp.max(jnp.where(hit, pos, 0), axis=0, keepdims=True)  # [1, 1]
+        first_fail_greedy = jnp.min(jnp.where(accept_greedy & valid, _BIG_POS, pos), axis=0, keepdims=True)
+        num_acc = jnp.where(is_greedy, first_fail_greedy, tau)  # [1, 1]
+        at = pos == num_acc
+        p_a = _masked_row_sum(at, p)  # [1, V]
+        q_a = _masked_row_sum(at, q)  # [1, V]
+        scale = _masked_row_sum(at, big_p)  # [1, 1] P_tau
+        r = jnp.where(num_acc < n, jnp.maximum(scale * p_a - q_a, 0.0), p_a)  # [1, V]
+    else:
+        if method == "synthetic":
+            accept = uniforms < rates  # [K+1, 1], any row kind
+        else:
+            # Accept x iff q(x) > 0 and u q(x) < p(x): p(x) == 0 is never accepted.
+            accept_random = (q_draft > 0) & (uniforms * q_draft < p_draft)
+            accept = jnp.where(is_greedy, accept_greedy, accept_random)
+        # First position that is not an accepted draft; lies in [0, n].
+        num_acc = jnp.min(jnp.where(accept & valid, _BIG_POS, pos), axis=0, keepdims=True)  # [1, 1]
+        at = pos == num_acc
+        p_a = _masked_row_sum(at, p)  # [1, V]
+        q_a = _masked_row_sum(at, q)  # [1, V]
+        r = jnp.where(num_acc < n, jnp.maximum(p_a - q_a, 0.0), p_a)  # [1, V] recovered or bonus
+    # A residual with no mass (p <= q to rounding) falls back to p itself.
+    r = jnp.where(jnp.sum(r, axis=1, keepdims=True) > 0, r, p_a)
+    sampled = sample_with_exponentials(r, exponentials, logits=False).reshape(1, 1)  # [1, 1]
+    greedy_tok = _masked_row_sum(at, greedy_ids)  # [1, 1]
+    token = jnp.where(is_greedy, greedy_tok, sampled)
+    out = jnp.where(pos < num_acc, draft, jnp.where(pos == num_acc, token, -1)).astype(jnp.int32)
+    return out, num_acc.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Input preparation shared by both entry points (plain jnp, outside the kernel).
+# ----------------------------------------------------------------------------
+
+
+def _check_shapes(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature,
+                  top_k, top_p, uniforms, exponentials, conditional_rates, method):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if draft_token_ids.ndim != 2:
+        raise ValueError(f"draft_token_ids must be [B, K], got shape {draft_token_ids.shape}")
+    b, k = draft_token_ids.shape
+    if target_logits.ndim != 3 or target_logits.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_logits must be [B, K+1, V] = [{b}, {k + 1}, V], got {target_logits.shape}")
+    v = target_logits.shape[2]
+    if draft_probs is not None and draft_probs.shape != (b, k, v):
+        raise ValueError(f"draft_probs must be [B, K, V] = {(b, k, v)}, got {draft_probs.shape}")
+    for name, arr, shape in (("num_draft_tokens", num_draft_tokens, (b,)), ("temperature", temperature, (b,)),
+                             ("top_k", top_k, (b,)), ("top_p", top_p, (b,)), ("uniforms", uniforms, (b, k)),
+                             ("exponentials", exponentials, (b, v))):
+        if arr is not None and arr.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
+    if method == "synthetic" and (conditional_rates is None or conditional_rates.shape != (k,)):
+        raise ValueError("method='synthetic' needs conditional_rates of shape [K]")
+
+
+def _prepare(draft_token_ids, num_draft_tokens, target_logits, temperature, top_k, top_p,
+             uniforms, exponentials, conditional_rates, method):
+    """Column-shape the per-row inputs and apply the sort-based transforms, if any, in jnp."""
+    b, k = draft_token_ids.shape
+    temperature = temperature.astype(jnp.float32)
+    logits = target_logits
+    if jnp.issubdtype(logits.dtype, jnp.floating):
+        # NaN would win argmax and poison the softmax; treat it as "impossible".
+        logits = jnp.where(jnp.isnan(logits), jnp.asarray(-jnp.inf, logits.dtype), logits)
+    if top_k is not None or top_p is not None:
+        random_row = (temperature > 0)[:, None, None]
+        shaped = transform_logits(logits, temperature, top_k, top_p)  # [B, K+1, V] f32
+        logits = jnp.where(random_row, shaped, logits.astype(jnp.float32))  # greedy rows keep raw logits
+        temperature = jnp.where(temperature > 0, 1.0, 0.0).astype(jnp.float32)  # already applied
+    draft = jnp.concatenate([draft_token_ids.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    pad = jnp.ones((b, 1), jnp.float32)
+    u = uniforms.astype(jnp.float32)
+    # Block's eta_i belongs to position i >= 1; the token-wise u_i to position i < K.
+    u = jnp.concatenate([pad, u] if method == "block" else [u, pad], axis=1)
+    rates = None
+    if method == "synthetic":
+        rates = jnp.concatenate([conditional_rates.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[:, None]
+    exps = jnp.maximum(exponentials.astype(jnp.float32), MIN_EXPONENTIAL)
+    return (
+        draft[:, :, None],  # [B, K+1, 1]
+        num_draft_tokens.astype(jnp.int32).reshape(b, 1, 1),  # [B, 1, 1]
+        logits,  # [B, K+1, V]
+        temperature.reshape(b, 1, 1),  # [B, 1, 1]
+        u[:, :, None],  # [B, K+1, 1]
+        exps[:, None, :],  # [B, 1, V]
+        rates,  # [K+1, 1] or None
+    )
+
+
+# ----------------------------------------------------------------------------
+# Pallas kernel: body / pallas_call wrapper / public jitted entry.
+# ----------------------------------------------------------------------------
+
+
+def _rejection_kernel(*refs, method: str, has_draft_probs: bool, has_rates: bool):
+    """One row per program. Refs (leading row dim squeezed):
+
+    draft_ref [K+1, 1] int32, n_ref [1, 1] int32, temperature_ref [1, 1] f32,
+    logits_ref [K+1, V], uniforms_ref [K+1, 1] f32, exps_ref [1, V] f32,
+    (draft_probs_ref [K, V]), (rates_ref [K+1, 1]) -> out_ref [K+1, 1] int32, num_ref [1, 1] int32.
+    """
+    draft_ref, n_ref, temperature_ref, logits_ref, uniforms_ref, exps_ref, *rest = refs
+    draft_probs_ref = rest.pop(0) if has_draft_probs else None
+    rates_ref = rest.pop(0) if has_rates else None
+    out_ref, num_ref = rest
+    out, num = _verify_row(
+        draft_ref[...],
+        n_ref[...],
+        logits_ref[...],
+        None if draft_probs_ref is None else draft_probs_ref[...],
+        temperature_ref[...],
+        uniforms_ref[...],
+        exps_ref[...],
+        None if rates_ref is None else rates_ref[...],
+        method=method,
+    )
+    out_ref[...] = out
+    num_ref[...] = num
+
+
+def _rejection_pallas_call(draft, n, logits, temperature, uniforms, exps, draft_probs, rates, *,
+                           method: str, interpret: bool):
+    b, k1, v = logits.shape
+
+    def row(shape):  # one row's block, leading dim squeezed
+        return pl.BlockSpec((None,) + shape, lambda i: (i,) + (0,) * len(shape))
+
+    in_specs = [row((k1, 1)), row((1, 1)), row((1, 1)), row((k1, v)), row((k1, 1)), row((1, v))]
+    operands = [draft, n, temperature, logits, uniforms, exps]
+    if draft_probs is not None:
+        in_specs.append(row((k1 - 1, v)))
+        operands.append(draft_probs)
+    if rates is not None:
+        in_specs.append(pl.BlockSpec((k1, 1), lambda i: (0, 0)))  # shared by all rows
+        operands.append(rates)
+    kernel = functools.partial(_rejection_kernel, method=method, has_draft_probs=draft_probs is not None,
+                               has_rates=rates is not None)
+    out, num = pl.pallas_call(
+        kernel,
+        grid=(b,),
+        in_specs=in_specs,
+        out_specs=[row((k1, 1)), row((1, 1))],
+        out_shape=[jax.ShapeDtypeStruct((b, k1, 1), jnp.int32), jax.ShapeDtypeStruct((b, 1, 1), jnp.int32)],
+        interpret=interpret,
+    )(*operands)
+    return out[:, :, 0], num[:, 0, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("method", "interpret"))
+def rejection_sample_kernel(
+    draft_token_ids: jax.Array,  # int32 [B, K]
+    num_draft_tokens: jax.Array,  # int32 [B]
+    target_logits: jax.Array,  # float [B, K+1, V]
+    draft_probs: jax.Array | None,  # float [B, K, V] or None (one-hot drafts)
+    temperature: jax.Array,  # float [B]; 0 = greedy
+    top_k: jax.Array | None,  # int32 [B] or None
+    top_p: jax.Array | None,  # float [B] or None
+    uniforms: jax.Array,  # float32 [B, K] in [0, 1): acceptance u (standard/synthetic) or eta (block)
+    exponentials: jax.Array,  # float32 [B, V] Exp(1) noise for the one recovered/bonus draw
+    conditional_rates: jax.Array | None = None,  # float32 [K], method="synthetic" only
+    *,
+    method: str = "standard",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Fused Pallas rejection sampler. Returns (output ids int32 [B, K+1], accepted drafts int32 [B]).
+
+    Inputs are not value-checked (ids, ranges): that is the front end's job
+    (:func:`specjax.sample.rejection.rejection_sample`). Shapes are checked here.
+    """
+    _check_shapes(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, top_k, top_p,
+                  uniforms, exponentials, conditional_rates, method)
+    draft, n, logits, temp, u, exps, rates = _prepare(
+        draft_token_ids, num_draft_tokens, target_logits, temperature, top_k, top_p, uniforms, exponentials,
+        conditional_rates, method)
+    return _rejection_pallas_call(draft, n, logits, temp, u, exps, draft_probs, rates, method=method,
+                                  interpret=interpret)
+
+
+def greedy_verify_reference(
+    draft_token_ids: jax.Array,  # int32 [B, K]
+    num_draft_tokens: jax.Array,  # int32 [B]
+    target_logits: jax.Array,  # float [B, K+1, V]
+) -> tuple[jax.Array, jax.Array]:
+    """All-greedy fast path: one argmax pass, same outputs as the full path for greedy rows."""
+    b, k = draft_token_ids.shape
+    logits = jnp.where(jnp.isnan(target_logits), jnp.asarray(-jnp.inf, target_logits.dtype), target_logits)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    pos = jnp.arange(k + 1, dtype=jnp.int32)[None, :]  # [1, K+1]
+    draft = jnp.concatenate([draft_token_ids.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    ok = (draft == greedy) & (pos < num_draft_tokens[:, None])
+    num_acc = jnp.min(jnp.where(ok, k + 1, pos), axis=1)  # [B] first position not accepted
+    out = jnp.where(pos <= num_acc[:, None], greedy, -1)  # accepted drafts equal the argmax
+    return out, num_acc
+
+
+@functools.partial(jax.jit, static_argnames=("method",))
+def rejection_sample_reference(
+    draft_token_ids: jax.Array,  # int32 [B, K]
+    num_draft_tokens: jax.Array,  # int32 [B]
+    target_logits: jax.Array,  # float [B, K+1, V]
+    draft_probs: jax.Array | None,  # float [B, K, V] or None
+    temperature: jax.Array,  # float [B]
+    top_k: jax.Array | None,  # int32 [B] or None
+    top_p: jax.Array | None,  # float [B] or None
+    uniforms: jax.Array,  # float32 [B, K]
+    exponentials: jax.Array,  # float32 [B, V]
+    conditional_rates: jax.Array | None = None,  # float32 [K]
+    *,
+    method: str = "standard",
+) -> tuple[jax.Array, jax.Array]:
+    """Pure-jnp twin of :func:`rejection_sample_kernel` (same arguments, minus ``interpret``)."""
+    _check_shapes(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, top_k, top_p,
+                  uniforms, exponentials, conditional_rates, method)
+    draft, n, logits, temp, u, exps, rates = _prepare(
+        draft_token_ids, num_draft_tokens, target_logits, temperature, top_k, top_p, uniforms, exponentials,
+        conditional_rates, method)
+    row = functools.partial(_verify_row, method=method)
+    in_axes = (0, 0, 0, None if draft_probs is None else 0, 0, 0, 0, None)
+    out, num = jax.vmap(row, in_axes=in_axes)(draft, n, logits, draft_probs, temp, u, exps, rates)
+    return out[:, :, 0], num[:, 0, 0]
