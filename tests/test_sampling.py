@@ -108,3 +108,13 @@ def test_seeded_rows_are_batch_invariant():
     sub_keys = request_keys(jax.random.key(3), seeds[perm], steps[perm])
     sub = np.asarray(sample_tokens(logits[perm], jnp.ones(3), None, None, sub_keys))
     np.testing.assert_array_equal(sub, full[perm])
+
+
+
+def test_zero_exponential_noise_never_picks_a_masked_token(monkeypatch):
+    """exponential() can return exactly 0 (p ~ 2**-23); the race must not turn that into NaN or a masked token."""
+    monkeypatch.setattr(jax.random, "exponential", lambda key, shape, dtype: jnp.zeros(shape, dtype))
+    logits = jnp.asarray([[0.0, -jnp.inf, 1.0, -jnp.inf]] * 4, jnp.float32)
+    keys = request_keys(jax.random.key(0), jnp.arange(4, dtype=jnp.uint32), jnp.zeros(4, jnp.int32))
+    tokens = np.asarray(sample_tokens(logits, jnp.ones(4), None, None, keys))
+    assert set(tokens.tolist()) <= {0, 2}

@@ -82,7 +82,10 @@ def row_exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     Drawing per row (not one draw for the whole batch) is what makes a seeded
     request's samples independent of its batch neighbours.
     """
-    return jax.vmap(lambda k: jax.random.exponential(k, shape, jnp.float32))(keys)
+    noise = jax.vmap(lambda k: jax.random.exponential(k, shape, jnp.float32))(keys)
+    # exponential() returns exactly 0 with probability ~2**-23 per element; in the race that is
+    # -log(0) = +inf, and -inf + inf = NaN for a masked token. Clamp to the smallest normal float.
+    return jnp.maximum(noise, jnp.finfo(jnp.float32).tiny)
 
 
 def sample_with_exponentials(probs_or_logits: jax.Array, exponentials: jax.Array, *, logits: bool) -> jax.Array:
