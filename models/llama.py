@@ -1,0 +1,575 @@
+"""One functional decoder for Llama / Mistral / Qwen2 / Qwen3 (config-switched).
+
+Covers: GQA/MQA, explicit ``head_dim`` (may differ from hidden/heads), tied or
+untied embeddings, q/k/v bias (Qwen2; Llama/Qwen3 ``attention_bias``), o-proj
+bias (Llama/Qwen3 ``attention_bias``), per-head q/k RMSNorm (Qwen3), RoPE types
+"default", "linear" and "llama3". Sliding-window attention is *not* applied:
+``LlamaConfig.sliding_window`` is stored for callers (e.g. to cap context) but
+:func:`forward` attends over the full causal context.
+
+Attention goes through the paged KV cache (``specjax.kv_cache``): each layer
+writes the step's K/V with ``write_kv`` and then attends with
+``paged_attention``, so prefill, chunked prefill, decode and multi-token
+verification are all the same call.
+
+Param layout (``params`` is the inner dict, i.e. ``Model.init(...)["params"]``)::
+
+    embed_tokens/embedding              [V, D]
+    layers_{i}/input_layernorm/scale    [D]
+    layers_{i}/self_attn/q_proj/kernel  [D, H, E]   (+ bias [H, E] if attention_bias)
+    layers_{i}/self_attn/k_proj/kernel  [D, G, E]   (+ bias [G, E] if attention_bias)
+    layers_{i}/self_attn/v_proj/kernel  [D, G, E]   (+ bias [G, E] if attention_bias)
+    layers_{i}/self_attn/o_proj/kernel  [H, E, D]   (+ bias [D] if attention_out_bias)
+    layers_{i}/self_attn/q_norm/scale   [E]         (only if qk_norm)
+    layers_{i}/self_attn/k_norm/scale   [E]         (only if qk_norm)
+    layers_{i}/post_attention_layernorm/scale [D]
+    layers_{i}/mlp/gate_proj/kernel     [D, F]
+    layers_{i}/mlp/up_proj/kernel       [D, F]
+    layers_{i}/mlp/down_proj/kernel     [F, D]
+    norm/scale                          [D]
+    lm_head/kernel                      [D, V]      (absent if tie_word_embeddings)
+
+Shape letters: b rows, t query tokens, s keys, d model, h q heads, g kv heads,
+r heads per kv, e head dim, f ffn, v vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:
+    from specjax.kv_cache import AttentionMetadata, KVCache
+
+
+def _kv():
+    # Imported lazily: `specjax/__init__` imports the engine, which imports this
+    # module, so a top-level import would be circular when `models` loads first.
+    from specjax import kv_cache
+
+    return kv_cache
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Keys each rope type needs in ``rope_scaling`` (besides rope_type).
+_ROPE_REQUIRED_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _freeze(value: Any) -> Any:
+    """Make a JSON-ish value hashable (dict -> sorted tuple of pairs, list -> tuple)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Static, hashable model config (used as a static jit argument).
+
+    ``rope_scaling`` is None (plain RoPE) or a sorted tuple of ``(key, value)``
+    pairs that includes ``("rope_type", ...)``; a dict passed in is frozen to that
+    form. ``sliding_window`` is stored only: :func:`forward` ignores it.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[tuple[tuple[str, Any], ...]] = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Bias on q/k/v projections."""
+    attention_out_bias: bool = False
+    """Bias on the o projection (HF Llama/Qwen3 ``attention_bias=True``; never Qwen2)."""
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: Optional[int] = None
+    """Stored only; forward attends over the full causal context."""
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        # Normalise containers so the config is hashable (static jit arg).
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", _freeze(dict(self.rope_scaling)))
+            scaling = dict(self.rope_scaling)
+            rope_type = scaling.get("rope_type")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"rope_scaling rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+            missing = [k for k in _ROPE_REQUIRED_KEYS[rope_type] if k not in scaling]
+            if missing:
+                raise ValueError(f"rope_scaling for rope_type {rope_type!r} is missing {missing}")
+            if rope_type in ("linear", "llama3") and not scaling["factor"] > 0:
+                raise ValueError(f"rope_scaling factor must be > 0, got {scaling['factor']}")
+            if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+                raise ValueError("rope_scaling high_freq_factor must be > low_freq_factor")
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+    # ---------------------------------------------------------------- derived
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.rope_scaling is None else dict(self.rope_scaling)["rope_type"]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    # ---------------------------------------------------------------- HF
+
+    @classmethod
+    def from_hf_config(cls, d: Mapping[str, Any]) -> "LlamaConfig":
+        """Map a Hugging Face ``config.json`` dict (transformers 4.x or 5.x form)."""
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architectures {archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        if d.get("mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+
+        # RoPE: 5.x writes `rope_parameters` {rope_theta, rope_type, ...};
+        # 4.x writes `rope_theta` + `rope_scaling` {type|rope_type, ...}.
+        rope = dict(d.get("rope_parameters") or {})
+        if "rope_scaling" in d and d["rope_scaling"]:
+            rope = {**dict(d["rope_scaling"]), **rope}
+        if "rope_theta" not in rope:
+            rope["rope_theta"] = d.get("rope_theta", 10000.0)
+        rope_theta = float(rope.pop("rope_theta"))
+        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        rope.pop("type", None)
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
+        rope.pop("partial_rotary_factor", None)
+        if rope_type == "default":
+            rope_scaling = None
+        else:
+            rope_scaling = {"rope_type": rope_type, **rope}
+            if rope_type == "llama3":
+                rope_scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, o_bias = True, False  # hard-wired in HF Qwen2, whatever the config says
+        elif arch == "MistralForCausalLM":
+            qkv_bias, o_bias = False, False
+        else:
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+
+        sliding_window = d.get("sliding_window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
+            sliding_window = None
+        if sliding_window is not None:
+            logger.warning("sliding_window=%s is stored but not applied by the forward pass", sliding_window)
+
+        eos = d.get("eos_token_id")
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            attention_out_bias=o_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            sliding_window=sliding_window,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+        )
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """float32 [E/2] inverse frequencies, following HF ``modeling_rope_utils``."""
+    e = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))  # [E/2]
+    rope_type = config.rope_type
+    if rope_type == "linear":
+        inv_freq = inv_freq / dict(config.rope_scaling)["factor"]
+    elif rope_type == "llama3":
+        s = dict(config.rope_scaling)
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (HF layout) of ``x: [B, T, N, E]`` at ``positions: [B, T]``; float32 math."""
+    freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [B, T, E/2]
+    cos = jnp.cos(freqs)[:, :, None, :]  # [B, T, 1, E/2]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)  # [B, T, N, E/2] each
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [B, T, N, E]
+    return out.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- modules
+
+_kernel_init = nn.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nn.Module):
+    """HF-exact RMSNorm: normalise in float32, cast back, then scale in the input dtype."""
+
+    eps: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return scale * xf.astype(x.dtype)
+
+
+class _Proj(nn.Module):
+    """x [B, T, D] -> [B, T, N, E] with kernel [D, N, E] (+ bias [N, E])."""
+
+    n: int
+    e: int
+    bias: bool
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.n, self.e), self.param_dtype)  # [D, N, E]
+        y = jnp.einsum("btd,dne->btne", x, kernel.astype(x.dtype))  # [B, T, N, E]
+        if self.bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.n, self.e), self.param_dtype).astype(x.dtype)
+        return y
+
+
+class _OutProj(nn.Module):
+    """attn [B, T, H, E] -> [B, T, D] with kernel [H, E, D] (+ bias [D])."""
+
+    d: int
+    bias: bool
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", _kernel_init, (x.shape[-2], x.shape[-1], self.d), self.param_dtype)  # [H, E, D]
+        y = jnp.einsum("bthe,hed->btd", x, kernel.astype(x.dtype))  # [B, T, D]
+        if self.bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.d,), self.param_dtype).astype(x.dtype)
+        return y
+
+
+class _Dense(nn.Module):
+    """x [B, T, I] -> [B, T, O] with kernel [I, O], no bias (all MLP projections)."""
+
+    features: int
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.features), self.param_dtype)  # [I, O]
+        return jnp.einsum("bti,io->bto", x, kernel.astype(x.dtype))
+
+
+class Attention(nn.Module):
+    config: LlamaConfig
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, D]
+        positions: jax.Array,  # int32 [B, T]
+        k_cache: jax.Array,  # [num_slots, G, E]
+        v_cache: jax.Array,  # [num_slots, G, E]
+        attn_metadata: AttentionMetadata,
+        block_size: int,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        c, pd = self.config, self.param_dtype
+        h, g, e = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = _Proj(h, e, c.attention_bias, pd, name="q_proj")(x)  # [B, T, H, E]
+        k = _Proj(g, e, c.attention_bias, pd, name="k_proj")(x)  # [B, T, G, E]
+        v = _Proj(g, e, c.attention_bias, pd, name="v_proj")(x)  # [B, T, G, E]
+        if c.qk_norm:  # Qwen3: per-head RMSNorm over E, before RoPE
+            q = RMSNorm(c.rms_norm_eps, pd, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, pd, name="k_norm")(k)
+        inv_freq = rope_inv_freq(c)  # host constant, folded into the compiled program
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+
+        # Write first: the query tokens of this step must see their own keys.
+        kv = _kv()
+        k_cache, v_cache = kv.write_kv(k_cache, v_cache, k, v, attn_metadata.slot_mapping)
+        attn = kv.paged_attention(
+            q, k_cache, v_cache, positions, attn_metadata.block_tables, block_size=block_size, scale=e**-0.5
+        )  # [B, T, H, E]
+        out = _OutProj(c.hidden_size, c.attention_out_bias, pd, name="o_proj")(attn)  # [B, T, D]
+        return out, k_cache, v_cache
+
+
+class MLP(nn.Module):
+    config: LlamaConfig
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
+        c, pd = self.config, self.param_dtype
+        gate = _Dense(c.intermediate_size, pd, name="gate_proj")(x)  # [B, T, F]
+        up = _Dense(c.intermediate_size, pd, name="up_proj")(x)  # [B, T, F]
+        return _Dense(c.hidden_size, pd, name="down_proj")(nn.silu(gate) * up)  # [B, T, D]
+
+
+class DecoderLayer(nn.Module):
+    config: LlamaConfig
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, k_cache, v_cache, attn_metadata, block_size):
+        """x [B, T, D] -> (x [B, T, D], k_cache, v_cache) with this step's K/V written."""
+        c, pd = self.config, self.param_dtype
+        normed = RMSNorm(c.rms_norm_eps, pd, name="input_layernorm")(x)
+        attn, k_cache, v_cache = Attention(c, pd, name="self_attn")(
+            normed, positions, k_cache, v_cache, attn_metadata, block_size
+        )
+        x = x + attn  # [B, T, D]
+        x = x + MLP(c, pd, name="mlp")(RMSNorm(c.rms_norm_eps, pd, name="post_attention_layernorm")(x))
+        return x, k_cache, v_cache
+
+
+class Embed(nn.Module):
+    num_embeddings: int
+    features: int
+    param_dtype: Any = jnp.float32
+
+    def setup(self) -> None:
+        self.embedding = self.param(
+            "embedding", nn.initializers.normal(stddev=0.02), (self.num_embeddings, self.features), self.param_dtype
+        )  # [V, D]
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:  # int [B, T] -> [B, T, D]
+        # clip: garbage ids in padding positions must not turn into NaN rows.
+        return jnp.take(self.embedding, tokens, axis=0, mode="clip")
+
+    def attend(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> float32 [B, L, V] (tied LM head)
+        return jnp.einsum("bld,vd->blv", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+class LMHead(nn.Module):
+    vocab_size: int
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> float32 [B, L, V]
+        kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.vocab_size), self.param_dtype)  # [D, V]
+        return jnp.einsum("bld,dv->blv", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+class Model(nn.Module):
+    """Decoder + LM head. ``param_dtype`` only matters at init; apply computes in the params' dtype."""
+
+    config: LlamaConfig
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,  # int32 [B, T]
+        positions: jax.Array,  # int32 [B, T]
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        logits_indices: Optional[jax.Array] = None,  # int32 [B, L]
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        c, pd = self.config, self.param_dtype
+        if len(kv_cache.k) != c.num_hidden_layers:
+            raise ValueError(f"kv_cache has {len(kv_cache.k)} layers, config.num_hidden_layers={c.num_hidden_layers}")
+        embed = Embed(c.vocab_size, c.hidden_size, pd, name="embed_tokens")
+        x = embed(tokens)  # [B, T, D] in the params' dtype
+        new_k, new_v = [], []
+        for i in range(c.num_hidden_layers):  # Python loop: unrolled, fine at our depths
+            x, k_i, v_i = DecoderLayer(c, pd, name=f"layers_{i}")(
+                x, positions, kv_cache.k[i], kv_cache.v[i], attn_metadata, kv_cache.block_size
+            )
+            new_k.append(k_i)
+            new_v.append(v_i)
+        hidden = RMSNorm(c.rms_norm_eps, pd, name="norm")(x)  # [B, T, D]
+
+        selected = hidden  # [B, L, D] (L = T unless logits_indices)
+        if logits_indices is not None:
+            # Gather before the LM head: only L of the T positions need [V]-sized logits.
+            idx = logits_indices.astype(jnp.int32)[:, :, None]  # [B, L, 1]
+            selected = jnp.take_along_axis(hidden, idx, axis=1, mode="clip")  # [B, L, D]
+        if c.tie_word_embeddings:
+            logits = embed.attend(selected)  # float32 [B, L, V]
+        else:
+            logits = LMHead(c.vocab_size, pd, name="lm_head")(selected)  # float32 [B, L, V]
+        cache = _kv().KVCache(k=tuple(new_k), v=tuple(new_v), block_size=kv_cache.block_size)
+        return logits.astype(jnp.float32), hidden, cache
+
+
+# --------------------------------------------------------------------------- functional API
+
+
+def forward(
+    params: Mapping[str, Any],
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_cache: KVCache,
+    attn_metadata: AttentionMetadata,
+    *,
+    config: LlamaConfig,
+    logits_indices: Optional[jax.Array] = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One step over a padded batch of query tokens through the paged KV cache.
+
+    tokens, positions: int32 [B, T]. Padding tokens: slot_mapping -1 (nothing
+    written) and any position >= 0 (their outputs are garbage, ignore them).
+    Returns (float32 logits [B, T, V] or [B, L, V] with ``logits_indices``
+    int32 [B, L], final-normed hidden_states [B, T, D] in the params' dtype,
+    the updated KVCache). jit with ``static_argnames=("config",),
+    donate_argnames=("kv_cache",)``.
+    """
+    return Model(config).apply({"params": params}, tokens, positions, kv_cache, attn_metadata, logits_indices)
+
+
+def lm_head_logits(params: Mapping[str, Any], hidden: jax.Array, *, config: LlamaConfig) -> jax.Array:
+    """float32 logits [B, L, V] of final-normed ``hidden [B, L, D]`` (for heads that reuse the LM head)."""
+    if config.tie_word_embeddings:
+        w = params["embed_tokens"]["embedding"]  # [V, D]
+        return jnp.einsum("bld,vd->blv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    w = params["lm_head"]["kernel"]  # [D, V]
+    return jnp.einsum("bld,dv->blv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params in the layout above: normal(0.02) kernels/embedding, unit norm scales, zero biases.
+
+    The tree comes from ``Model.init`` under ``jax.eval_shape`` (so the forward is
+    not compiled); the leaves are drawn by one small jitted function.
+    """
+    kv = _kv()
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    cache = kv.KVCache.allocate(
+        num_layers=config.num_hidden_layers,
+        num_blocks=1,
+        block_size=1,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+    )
+    meta = kv.AttentionMetadata(slot_mapping=jnp.zeros((1, 1), jnp.int32), block_tables=jnp.zeros((1, 1), jnp.int32))
+    shapes = jax.eval_shape(Model(config, param_dtype=dtype).init, key, tokens, tokens, cache, meta)["params"]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    names = tuple(path[-1].key for path, _ in leaves)
+    leaf_shapes = tuple(leaf.shape for _, leaf in leaves)
+    return jax.tree_util.tree_unflatten(treedef, _draw_params(key, names, leaf_shapes, jnp.dtype(dtype)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw_params(key, names, shapes, dtype):
+    # One RNG draw per distinct shape (stacked over layers), in the target dtype: a
+    # threefry per leaf makes compile time explode, one flat f32 draw wastes memory.
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (name, shape) in enumerate(zip(names, shapes)):
+        if name not in ("scale", "bias"):
+            groups.setdefault(shape, []).append(i)
+    drawn: dict[int, jax.Array] = {}
+    for k, (shape, idx) in zip(jax.random.split(key, max(1, len(groups))), groups.items()):
+        stack = 0.02 * jax.random.normal(k, (len(idx), *shape), dtype)  # [n, *shape]
+        drawn.update({i: stack[j] for j, i in enumerate(idx)})
+    return [
+        jnp.ones(shape, dtype) if name == "scale" else jnp.zeros(shape, dtype) if name == "bias" else drawn[i]
+        for i, (name, shape) in enumerate(zip(names, shapes))
+    ]
+
+
+def num_params(params: Any) -> int:
+    """Total number of parameter scalars."""
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
