@@ -171,3 +171,194 @@ def bucket_for(value: int, buckets: Sequence[int], name: str) -> int:
         if b >= value:
             return b
     raise ValueError(f"{name}={value} exceeds the largest bucket {buckets[-1]}")
+
+
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp")
+AVAILABLE_SPEC_METHODS = ("ngram", "suffix", "draft_model")
+REJECTION_METHODS = ("standard", "synthetic", "block")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+def _geometric_rates(length: float, k: int) -> tuple[float, ...]:
+    """Unconditional rates a_i = alpha**i (i = 1..k) with 1 + sum a_i = length, alpha by bisection."""
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 1 + sum(mid**i for i in range(1, k + 1)) < length:
+            lo = mid
+        else:
+            hi = mid
+    alpha = (lo + hi) / 2
+    return tuple(alpha**i for i in range(1, k + 1))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """What proposes drafts, how many, and how they are verified (vLLM's field names).
+
+    ``method=None`` is auto-detected: a ``model`` path means draft_model; with
+    ``rejection_sample_method="synthetic"`` and no model, drafts are placeholders
+    (acceptance is decided by the synthetic rates, for benchmarking the system).
+    """
+
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    draft_tensor_parallel_size: int | None = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: tuple[float, ...] | None = None
+    synthetic_acceptance_length: float | None = None
+    draft_sample_method: str = "greedy"
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    max_model_len: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(d).__name__}")
+        if "tensor_parallel_size" in d:
+            raise ValueError(
+                "speculative_config.tensor_parallel_size is not a field: use draft_tensor_parallel_size "
+                "(the target's tensor_parallel_size is set on LLM)"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        k = self.num_speculative_tokens
+        if k is None:
+            raise ValueError("num_speculative_tokens is required")
+        _check_int("num_speculative_tokens", k, minimum=1)
+        method = self.method
+        if method is None:
+            if self.model is not None:
+                method = _detect_method(self.model)
+            elif self.rejection_sample_method != "synthetic":
+                raise ValueError("method is required (or give model for a draft model)")
+            set_("method", method)
+        if method is not None and method not in SPEC_METHODS:
+            raise ValueError(f"method must be one of {list(SPEC_METHODS)}, got {method!r}")
+        if method is not None and method not in AVAILABLE_SPEC_METHODS:
+            raise ValueError(
+                f"method={method!r} is not available yet; available methods: {list(AVAILABLE_SPEC_METHODS)}"
+            )
+        if method == "draft_model" and self.model is None:
+            raise ValueError("model is required for method='draft_model'")
+        if method in ("ngram", "suffix") and self.model is not None:
+            raise ValueError(f"model must not be given for method={method!r}, got {self.model!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        _check_int("prompt_lookup_min", lo, minimum=1)
+        _check_int("prompt_lookup_max", hi, minimum=1)
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        set_("prompt_lookup_min", lo)
+        set_("prompt_lookup_max", hi)
+        if self.draft_tensor_parallel_size is not None:
+            _check_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size, minimum=1)
+        if self.rejection_sample_method not in REJECTION_METHODS:
+            raise ValueError(
+                f"rejection_sample_method must be one of {list(REJECTION_METHODS)}, got {self.rejection_sample_method!r}"
+            )
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(
+                f"draft_sample_method must be one of {list(DRAFT_SAMPLE_METHODS)}, got {self.draft_sample_method!r}"
+            )
+        synthetic = self.rejection_sample_method == "synthetic"
+        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
+        if not synthetic and (rates is not None or length is not None):
+            raise ValueError(
+                "synthetic_acceptance_rates / synthetic_acceptance_length need rejection_sample_method='synthetic'"
+            )
+        if synthetic:
+            if rates is not None and length is not None:
+                raise ValueError("give synthetic_acceptance_rates or synthetic_acceptance_length, not both")
+            if rates is None and length is None:
+                raise ValueError("rejection_sample_method='synthetic' needs synthetic_acceptance_rates or _length")
+            if length is not None:
+                if isinstance(length, bool) or not isinstance(length, (int, float)) or not (1.0 <= length <= k + 1):
+                    raise ValueError(f"synthetic_acceptance_length must be in [1, K+1={k + 1}], got {length!r}")
+                rates = _geometric_rates(float(length), k)
+            rates = tuple(float(r) for r in rates)
+            if len(rates) != k:
+                raise ValueError(f"synthetic_acceptance_rates must have K={k} entries, got {len(rates)}")
+            if any(not (0.0 <= r <= 1.0) for r in rates):
+                raise ValueError(f"synthetic_acceptance_rates must lie in [0, 1], got {rates}")
+            if any(b > a for a, b in zip(rates, rates[1:])):
+                raise ValueError(f"synthetic_acceptance_rates must be non-increasing, got {rates}")
+            set_("synthetic_acceptance_rates", rates)
+        sched = self.num_speculative_tokens_per_batch_size
+        if sched is not None:
+            ranges = []
+            for entry in sched:
+                if len(entry) != 3 or any(isinstance(x, bool) or not isinstance(x, int) for x in entry):
+                    raise ValueError(
+                        f"num_speculative_tokens_per_batch_size entries must be (start, end, K) ints, got {entry!r}"
+                    )
+                start, end, kk = entry
+                if start < 1 or end < start or kk < 0 or kk > k:
+                    raise ValueError(
+                        "num_speculative_tokens_per_batch_size entries need 1 <= start <= end and "
+                        f"0 <= K <= num_speculative_tokens={k}, got {entry!r}"
+                    )
+                ranges.append((start, end, kk))
+            ranges.sort()
+            for (s0, e0, _), (s1, _, _) in zip(ranges, ranges[1:]):
+                if s1 <= e0:
+                    raise ValueError(f"num_speculative_tokens_per_batch_size ranges overlap at batch size {s1}")
+            set_("num_speculative_tokens_per_batch_size", tuple(ranges))
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, minimum=1)
+        _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, minimum=1)
+        _check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, minimum=0)
+
+    def k_for_batch_size(self, batch_size: int) -> int:
+        """K for a step of ``batch_size`` running rows (the dynamic-K schedule; K outside all ranges)."""
+        for start, end, kk in self.num_speculative_tokens_per_batch_size or ():
+            if start <= batch_size <= end:
+                return kk
+        return self.num_speculative_tokens
+
+    def k_table(self, max_batch: int) -> tuple[int, ...]:
+        """K for every batch size 0..max_batch: the O(1) lookup the engine indexes each step."""
+        return tuple(self.k_for_batch_size(max(b, 1)) for b in range(max_batch + 1))
+
+
+def _detect_method(model: str) -> str:
+    """vLLM-style auto-detection from the draft's name / config."""
+    import json
+    import os
+
+    name = os.path.basename(os.path.normpath(str(model))).lower()
+    arch: list[str] = []
+    cfg_path = os.path.join(str(model), "config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            arch = [a.lower() for a in json.load(f).get("architectures", [])]
+    text = " ".join([name, *arch])
+    if "eagle3" in text or "eagle-3" in text:
+        return "eagle3"
+    if "eagle" in text:
+        return "eagle"
+    if "medusa" in text:
+        return "medusa"
+    if "mtp" in text:
+        return "mtp"
+    return "draft_model"

@@ -20,6 +20,7 @@ from models.llama import LlamaConfig, forward
 from specjax.buckets import CompiledBuckets
 from specjax.config import EngineConfig, bucket_for
 from specjax.kv_cache import AttentionMetadata, KVCache
+from specjax.metrics import LatencyStats
 from specjax.sample.transforms import sample_tokens
 from specjax.scheduler import Request, ScheduledRow, Scheduler
 
@@ -160,8 +161,8 @@ class ModelRunner:
     def compile_seconds(self) -> float:
         return self.decode.compile_seconds
 
-    def execute(self, rows: list[ScheduledRow], scheduler: Scheduler) -> np.ndarray:
-        """Run one step over ``rows``; returns the sampled token of every row (int32 [len(rows)])."""
+    def build_inputs(self, rows: list[ScheduledRow], scheduler: Scheduler) -> StepInputs:
+        """Pad ``rows`` into a (rows, query length) bucket: host numpy buffers, one copy to the device."""
         cfg = self.engine_config
         batch = bucket_for(len(rows), cfg.row_buckets, "num_seqs")
         length = bucket_for(max(r.num_new for r in rows), cfg.length_buckets, "query_len")
@@ -183,9 +184,17 @@ class ModelRunner:
             inputs.seed_streams[i] = req.seed_stream
             inputs.seeds[i] = req.seed
             inputs.sample_indices[i] = len(req.output_token_ids)
-        exe = self.decode.get((batch, length))
+        return inputs
+
+    def run(self, inputs: StepInputs, num_rows: int) -> np.ndarray:
+        """Run the plain step on padded ``inputs``; returns the sampled token of the first ``num_rows`` rows."""
+        exe = self.decode.get(inputs.tokens.shape)
         next_tokens, self.kv_cache = exe(self.params, self.kv_cache, inputs)
-        return np.asarray(next_tokens)[: len(rows)]
+        return np.asarray(next_tokens)[:num_rows]
+
+    def execute(self, rows: list[ScheduledRow], scheduler: Scheduler) -> np.ndarray:
+        """Run one plain step over ``rows``; returns the sampled token of every row (int32 [len(rows)])."""
+        return self.run(self.build_inputs(rows, scheduler), len(rows))
 
 
 @dataclasses.dataclass
@@ -200,37 +209,102 @@ class EngineStats:
 
 
 class Engine:
-    """Host loop: add requests, step until done. Finished requests are handed back by ``step``."""
+    """Host loop: add requests, step until done. Finished requests are handed back by ``step``.
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig):
+    With ``spec`` (a :class:`~specjax.spec_decode.runner.SpecRunner`) each step
+    verifies drafts: from ``proposer`` (host-side) or from the spec runner's draft model.
+    """
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig, *, spec=None, proposer=None):
         self.runner = runner
         self.config = config
-        self.scheduler = Scheduler(config)
+        self.spec = spec
+        self.proposer = proposer
+        lookahead = spec.spec.num_speculative_tokens if spec is not None else 0
+        self.scheduler = Scheduler(config, num_lookahead_tokens=lookahead)
         self.stats = EngineStats()
+        self.latency = LatencyStats()
 
     def add_request(self, request: Request) -> None:
         self.stats.num_prompt_tokens += len(request.prompt_token_ids)
+        request.arrival_time = time.perf_counter()
         self.scheduler.add(request)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def abort_all(self) -> None:
+        for request in self.scheduler.abort_all():
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.finish(request.request_id, request.prompt_token_ids, request.output_token_ids)
+
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
         start = time.perf_counter()
         rows = self.scheduler.schedule()
-        next_tokens = self.runner.execute(rows, self.scheduler)
+        k = self.spec.k_table[min(len(rows), len(self.spec.k_table) - 1)] if self.spec is not None else 0
+        if k == 0:
+            inputs = self.runner.build_inputs(rows, self.scheduler)
+            if self.spec is not None and self.spec.has_draft_model:
+                self.spec.sync_draft(inputs)
+            tokens = self.runner.run(inputs, len(rows))
+            outputs = [([t], 0, 0) for t in tokens.tolist()]
+        else:
+            outputs = self._speculate(rows, k)
         finished = []
-        for row, token in zip(rows, next_tokens.tolist()):
+        now = time.perf_counter()
+        for row, (new_tokens, num_drafts, accepted) in zip(rows, outputs):
+            request = row.request
+            computed = row.start + row.num_new
             if not row.samples:
-                row.request.num_computed_tokens = row.start + row.num_new
+                request.num_computed_tokens = computed
                 continue
-            kept = self.scheduler.commit(row, [token])
+            # The draft model has not seen its last accepted draft when all drafts were accepted.
+            lag = 1 if (self.spec is not None and self.spec.has_draft_model and 0 < num_drafts == accepted) else 0
+            first = not request.output_token_ids
+            kept = self.scheduler.commit(row, new_tokens, num_computed=computed + accepted - lag)
+            if num_drafts:
+                self.spec.stats.observe(num_drafts, accepted)
+            self.latency.observe_tokens(now - (request.arrival_time if first else request.last_token_time),
+                                        len(kept), first)
+            request.last_token_time = now
             self.stats.num_generated_tokens += len(kept)
-            if row.request.finish_reason is not None:
-                finished.append(row.request)
+            if request.finish_reason is not None:
+                finished.append(request)
+                self._release(request)
         self.stats.num_finished_requests += len(finished)
         self.stats.num_steps += 1
         self.stats.step_seconds += time.perf_counter() - start
         return finished
+
+    def _speculate(self, rows: list[ScheduledRow], k: int) -> list[tuple[list[int], int, int]]:
+        """Draft (host or device), verify and sample; per row (new tokens, drafts verified, drafts accepted)."""
+        max_len = self.config.max_model_len
+        # Drafts only for rows that reach their end this step, and never past max_model_len.
+        caps = np.asarray(
+            [min(k, max_len - r.request.num_tokens - 1) if r.samples else 0 for r in rows], np.int32
+        ).clip(0)
+        inputs = self.runner.build_inputs(rows, self.scheduler)
+        host_drafts = None
+        if not self.spec.has_draft_model:
+            host_drafts = np.zeros((len(rows), k), np.int32)
+            if self.proposer is not None:
+                t0 = time.perf_counter()
+                proposals = self.proposer.propose(
+                    [r.request.request_id for r in rows],
+                    [np.asarray(r.request.token_ids(0, r.request.num_tokens), np.int32) for r in rows],
+                    caps.tolist(),
+                )
+                self.spec.stats.draft_time_s += time.perf_counter() - t0
+                for i, drafts in enumerate(proposals):
+                    caps[i] = len(drafts)
+                    host_drafts[i, : len(drafts)] = drafts
+        out, accepted = self.spec.execute(rows, self.scheduler, inputs, k, caps, host_drafts)
+        return [
+            (out[i, : accepted[i] + 1].tolist() if rows[i].samples else [], int(caps[i]), int(accepted[i]))
+            for i in range(len(rows))
+        ]

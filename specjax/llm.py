@@ -15,9 +15,10 @@ import numpy as np
 
 from models.llama import LlamaConfig
 from models.loading import load_hf_model, load_tokenizer, read_generation_eos
-from specjax.config import EngineConfig, SamplingParams
+from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specjax.engine import Engine, ModelRunner
 from specjax.scheduler import Request
+from specjax.spec_decode.runner import SpecRunner
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +87,7 @@ class LLM:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
-        if speculative_config is not None:
-            raise ValueError("speculative_config is not supported yet: speculative decoding is not wired in")
+        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         self.model_path = os.fspath(model)
         self.model_config, params = load_hf_model(self.model_path, dtype=dtype)
         max_pos = self.model_config.max_position_embeddings
@@ -111,13 +111,58 @@ class LLM:
         self.tokenizer = load_tokenizer(os.fspath(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = tuple(read_generation_eos(self.model_path, self.model_config))
         self.runner = ModelRunner(self.model_config, params, self.engine_config, kv_dtype=_DTYPES[dtype])
-        self.engine = Engine(self.runner, self.engine_config)
+        self.speculative_config = spec
+        self.spec_runner, proposer = None, None
+        if spec is not None:
+            self.spec_runner, proposer = self._build_speculation(spec, dtype, tensor_parallel_size)
+        self.engine = Engine(self.runner, self.engine_config, spec=self.spec_runner, proposer=proposer)
         self._request_counter = itertools.count()
         self._generate_seconds = 0.0
         if warmup:
             start = time.perf_counter()
-            self.runner.warmup()
-            logger.info("warmup compiled %d buckets in %.1fs", self.runner.num_compiles, time.perf_counter() - start)
+            self.warmup()
+            logger.info("warmup compiled %d executables in %.1fs", self.num_compiles, time.perf_counter() - start)
+
+    def _build_speculation(self, spec: SpeculativeConfig, dtype: str, tensor_parallel_size: int):
+        if spec.draft_tensor_parallel_size not in (None, 1, tensor_parallel_size):
+            raise ValueError(
+                f"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size={tensor_parallel_size}, "
+                f"got {spec.draft_tensor_parallel_size}"
+            )
+        if spec.max_model_len is not None and spec.max_model_len < self.engine_config.max_model_len:
+            raise ValueError(
+                f"speculative_config.max_model_len={spec.max_model_len} is below LLM max_model_len="
+                f"{self.engine_config.max_model_len}; drafting stops at max_model_len, lower the LLM's instead"
+            )
+        draft, proposer = None, None
+        if spec.method == "draft_model":
+            draft_config, draft_params = load_hf_model(spec.model, dtype=dtype)
+            if draft_config.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model vocab_size={draft_config.vocab_size} differs from the target's "
+                    f"{self.model_config.vocab_size} (heterogeneous vocabularies are not supported yet)"
+                )
+            draft = (draft_config, draft_params)
+        elif spec.method == "ngram":
+            from specjax.spec_decode.ngram import NgramProposer
+
+            proposer = NgramProposer(
+                prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
+                num_speculative_tokens=spec.num_speculative_tokens,
+            )
+        elif spec.method == "suffix":
+            from specjax.spec_decode.suffix import SuffixProposer
+
+            proposer = SuffixProposer(
+                num_speculative_tokens=spec.num_speculative_tokens,
+                max_tree_depth=spec.suffix_decoding_max_tree_depth,
+                max_cached_requests=spec.suffix_decoding_max_cached_requests,
+                max_spec_factor=spec.suffix_decoding_max_spec_factor,
+                min_token_prob=spec.suffix_decoding_min_token_prob,
+            )
+        # method None (synthetic verification, no proposer): placeholder drafts, acceptance by the rates.
+        runner = SpecRunner(self.runner, spec, self.engine_config, draft=draft, kv_dtype=_DTYPES[dtype])
+        return runner, proposer
 
     @property
     def config(self) -> LlamaConfig:
@@ -220,7 +265,7 @@ class LLM:
                     bar.set_postfix(tok_s=f"{self.engine.stats.num_generated_tokens / (time.perf_counter() - start):.1f}")
         except BaseException:
             # Leave no half-run request behind to leak into the next call (or to hold KV blocks).
-            self.engine.scheduler.abort_all()
+            self.engine.abort_all()
             raise
         finally:
             if bar is not None:
@@ -243,7 +288,21 @@ class LLM:
 
     def warmup(self) -> None:
         """Compile every bucket now (``LLM(warmup=True)`` already did)."""
-        self.runner.warmup()
+        ks = self.spec_runner.ks if self.spec_runner is not None else [0]
+        if 0 in ks:
+            self.runner.warmup()  # plain steps run only when K = 0 for some batch size
+        if self.spec_runner is not None:
+            self.spec_runner.warmup()
+
+    @property
+    def num_compiles(self) -> int:
+        n = self.runner.num_compiles
+        return n + (self.spec_runner.num_compiles if self.spec_runner is not None else 0)
+
+    @property
+    def compile_seconds(self) -> float:
+        s = self.runner.compile_seconds
+        return s + (self.spec_runner.compile_seconds if self.spec_runner is not None else 0.0)
 
     def get_metrics(self) -> dict[str, Any]:
         s = self.engine.stats
@@ -253,8 +312,10 @@ class LLM:
             "num_generated_tokens": s.num_generated_tokens,
             "num_steps": s.num_steps,
             "num_preemptions": self.engine.scheduler.num_preemptions,
-            "num_compiles": self.runner.num_compiles,
-            "compile_seconds": self.runner.compile_seconds,
+            "num_compiles": self.num_compiles,
+            "compile_seconds": self.compile_seconds,
             "generate_seconds": self._generate_seconds,
             "generation_tokens_per_s": s.num_generated_tokens / self._generate_seconds if self._generate_seconds else 0.0,
+            **self.engine.latency.as_dict(),
+            **(self.spec_runner.stats.as_dict() if self.spec_runner is not None else {}),
         }

@@ -42,6 +42,10 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    arrival_time: float = 0.0
+    """perf_counter() when the engine received the request."""
+    last_token_time: float = 0.0
+    """perf_counter() when the request last received tokens."""
 
     @property
     def num_tokens(self) -> int:
@@ -154,14 +158,15 @@ class Scheduler:
             raise RuntimeError("scheduler made no progress: KV pool too small for a single request")
         return rows
 
-    def commit(self, row: ScheduledRow, new_token_ids: list[int]) -> list[int]:
-        """Advance ``row``'s request by its computed chunk and append sampled tokens.
+    def commit(self, row: ScheduledRow, new_token_ids: list[int], *, num_computed: int | None = None) -> list[int]:
+        """Advance ``row``'s request and append its new tokens.
 
+        ``num_computed``: tokens now in the KV cache(s); default the row's chunk end.
         Stop conditions are checked token by token, so tokens after a stop token
         (possible with multi-token steps) are dropped. Returns the tokens kept.
         """
         request = row.request
-        request.num_computed_tokens = row.start + row.num_new
+        request.num_computed_tokens = row.start + row.num_new if num_computed is None else num_computed
         kept: list[int] = []
         for token in new_token_ids:
             request.output_token_ids.append(token)

@@ -1,0 +1,1 @@
+"""Proposers: who guesses the K draft tokens the target verifies."""

@@ -1,0 +1,219 @@
+"""Device side of a speculative step: propose -> verify forward -> rejection sample.
+
+Three compiled functions per bucket, called back to back: the draft (for the
+draft_model method; host proposers hand their drafts in), the target's verify
+forward over catch-up + drafts, and the rejection sampler. Keeping them apart
+costs two extra dispatches per step but lets the engine report draft, verify
+and sample time separately, which the efficiency benchmark needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+
+from models.llama import LlamaConfig
+from specjax.buckets import CompiledBuckets
+from specjax.config import EngineConfig, SpeculativeConfig, bucket_for
+from specjax.engine import ModelRunner, StepInputs, row_keys
+from specjax.kv_cache import KVCache
+from specjax.metrics import SpecDecodeStats
+from specjax.sample.rejection import conditional_acceptance_rates
+from specjax.scheduler import ScheduledRow, Scheduler
+from specjax.spec_decode.draft_model import draft_propose
+from specjax.spec_decode.verify import verify_forward, verify_sample
+
+
+def _draft_step(draft_params, draft_cache, inputs: StepInputs, num_drafts, *, config, k, probabilistic):
+    keys = row_keys(inputs.seed_streams, inputs.seeds, inputs.sample_indices)
+    return draft_propose(
+        draft_params, draft_cache, inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+        inputs.last_index, num_drafts, inputs.temperature, inputs.top_k, inputs.top_p, keys,
+        config=config, k=k, probabilistic=probabilistic,
+    )
+
+
+def _verify_step(params, kv_cache, inputs: StepInputs, draft_ids, num_drafts, *, config):
+    return verify_forward(
+        params, kv_cache, inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+        inputs.last_index, draft_ids, num_drafts, config=config,
+    )
+
+
+def _row_params(inputs: StepInputs) -> tuple:
+    """The per-row [B] fields the sampler needs (not the [B, T] ones, which vary by length bucket)."""
+    return (inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed_streams, inputs.seeds, inputs.sample_indices)
+
+
+def _sample_step(target_logits, draft_ids, num_drafts, draft_probs, row_params, rates, *, method):
+    temperature, top_k, top_p, seed_streams, seeds, sample_indices = row_params
+    keys = row_keys(seed_streams, seeds, sample_indices)
+    return verify_sample(
+        target_logits, draft_ids, num_drafts, draft_probs, temperature, top_k, top_p, keys, rates, method=method
+    )
+
+
+class SpecRunner:
+    """Speculative steps on top of a target :class:`ModelRunner` (whose params and KV cache it uses)."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        spec: SpeculativeConfig,
+        engine_config: EngineConfig,
+        *,
+        draft: tuple[LlamaConfig, dict] | None = None,
+        kv_dtype=None,
+    ):
+        self.target = target
+        self.spec = spec
+        self.engine_config = engine_config
+        self.k_table = spec.k_table(engine_config.max_num_seqs)
+        self.ks = sorted(set(self.k_table[1:]))
+        self.stats = SpecDecodeStats(spec.num_speculative_tokens)
+        self.probabilistic = spec.draft_sample_method == "probabilistic" and draft is not None
+        method = spec.rejection_sample_method
+        self.rates = (
+            conditional_acceptance_rates(spec.synthetic_acceptance_rates) if method == "synthetic" else None
+        )
+        tcfg = target.model_config
+        self.verify = CompiledBuckets(
+            "verify_forward",
+            jax.jit(functools.partial(_verify_step, config=tcfg), donate_argnums=(1,)),
+            self._verify_args,
+        )
+        self.sample = CompiledBuckets(
+            "verify_sample", jax.jit(functools.partial(_sample_step, method=method)), self._sample_args
+        )
+        self.draft_config = None
+        self.draft_cache = None
+        if draft is not None:
+            self.draft_config, self.draft_params = draft
+            self.draft_cache = KVCache.allocate(
+                num_layers=self.draft_config.num_hidden_layers,
+                num_blocks=engine_config.total_kv_blocks,
+                block_size=engine_config.block_size,
+                num_kv_heads=self.draft_config.num_key_value_heads,
+                head_dim=self.draft_config.head_dim,
+                dtype=kv_dtype,
+            )
+            # The draft's k is static (it sizes the loop and outputs): one set of buckets per k.
+            self.draft_buckets = {
+                k: CompiledBuckets(
+                    f"draft_propose[k={k}]",
+                    jax.jit(
+                        functools.partial(_draft_step, config=self.draft_config, k=k, probabilistic=self.probabilistic),
+                        donate_argnums=(1,),
+                    ),
+                    self._draft_args,
+                )
+                for k in {max(k, 1) for k in self.ks}
+            }
+
+    # ------------------------------------------------------------ compile plumbing
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.draft_config is not None
+
+    def _inputs(self, batch: int, length: int) -> StepInputs:
+        return StepInputs.zeros(batch, length, self.engine_config.blocks_per_seq)
+
+    def _verify_args(self, bucket):
+        batch, length, k = bucket
+        ids = np.zeros((batch, k), np.int32)
+        return self.target.params, self.target.kv_cache, self._inputs(batch, length), ids, ids[:, 0]
+
+    def _sample_args(self, bucket):
+        batch, k = bucket
+        vocab = self.target.model_config.vocab_size
+        logits = jax.ShapeDtypeStruct((batch, k + 1, vocab), np.float32)
+        probs = jax.ShapeDtypeStruct((batch, k, vocab), np.float32) if self.probabilistic else None
+        ids = np.zeros((batch, k), np.int32)
+        return logits, ids, ids[:, 0], probs, _row_params(self._inputs(batch, 1)), self.rates
+
+    def _draft_args(self, bucket):
+        batch, length = bucket
+        return self.draft_params, self.draft_cache, self._inputs(batch, length), np.zeros((batch,), np.int32)
+
+    def _draft_exe(self, batch: int, length: int, k: int):
+        return self.draft_buckets[k].get((batch, length))
+
+    def _all_buckets(self) -> list[CompiledBuckets]:
+        out = [self.verify, self.sample]
+        return out + list(self.draft_buckets.values()) if self.has_draft_model else out
+
+    @property
+    def num_compiles(self) -> int:
+        return sum(c.num_compiles for c in self._all_buckets())
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(c.compile_seconds for c in self._all_buckets())
+
+    def warmup(self) -> None:
+        cfg = self.engine_config
+        lengths = cfg.length_buckets
+        for batch in cfg.row_buckets:
+            for k in self.ks:
+                if k == 0:
+                    continue
+                self.sample.get((batch, k))
+                for length in lengths:
+                    self.verify.get((batch, length, k))
+                    if self.has_draft_model:
+                        self._draft_exe(batch, length, k)
+            if 0 in self.ks and self.has_draft_model:
+                for length in lengths:
+                    self._draft_exe(batch, length, 1)
+
+    # ------------------------------------------------------------ one step
+
+    def sync_draft(self, inputs: StepInputs) -> None:
+        """K = 0 step: the draft still consumes the catch-up tokens, so its KV stays in step with the target's."""
+        batch, length = inputs.tokens.shape
+        exe = self._draft_exe(batch, length, 1)
+        _, _, self.draft_cache = exe(self.draft_params, self.draft_cache, inputs, np.zeros((batch,), np.int32))
+
+    def execute(
+        self,
+        rows: list[ScheduledRow],
+        scheduler: Scheduler,
+        inputs: StepInputs,
+        k: int,
+        num_drafts: np.ndarray,
+        host_drafts: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Verify drafts for ``rows``; returns (output ids int32 [n, K+1] with -1 tail, accepted counts [n])."""
+        batch, length = inputs.tokens.shape
+        n = len(rows)
+        padded_drafts = np.zeros((batch,), np.int32)
+        padded_drafts[:n] = num_drafts
+        start = time.perf_counter()
+        draft_probs = None
+        if self.has_draft_model:
+            exe = self._draft_exe(batch, length, k)
+            draft_ids, draft_probs, self.draft_cache = exe(self.draft_params, self.draft_cache, inputs, padded_drafts)
+            jax.block_until_ready(draft_ids)
+        else:
+            draft_ids = np.zeros((batch, k), np.int32)
+            draft_ids[:n] = host_drafts
+        t_draft = time.perf_counter()
+        logits, self.target.kv_cache = self.verify.get((batch, length, k))(
+            self.target.params, self.target.kv_cache, inputs, draft_ids, padded_drafts
+        )
+        jax.block_until_ready(logits)
+        t_verify = time.perf_counter()
+        out, accepted = self.sample.get((batch, k))(
+            logits, draft_ids, padded_drafts, draft_probs, _row_params(inputs), self.rates
+        )
+        out, accepted = np.asarray(out)[:n], np.asarray(accepted)[:n]
+        t_sample = time.perf_counter()
+        self.stats.draft_time_s += t_draft - start
+        self.stats.verify_time_s += t_verify - t_draft
+        self.stats.sample_time_s += t_sample - t_verify
+        self.stats.num_spec_steps += 1
+        return out, accepted

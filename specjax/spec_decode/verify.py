@@ -1,0 +1,81 @@
+"""Batched verification: one target forward over catch-up + draft tokens, then the rejection sampler.
+
+Row b of a step feeds the target its c_b catch-up tokens (committed tokens whose
+KV is not yet in both caches: 1 or 2 while decoding, a chunk while prefilling)
+followed by its n_b drafts, left-aligned in ``[B, C + K]``. The logits at the
+last catch-up token and at each draft give the K+1 rows the sampler verifies.
+Rejected drafts' KV stays in the cache but beyond the committed length, so it is
+never read and the next step overwrites it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.llama import LlamaConfig, forward
+from specjax.kv_cache import AttentionMetadata, KVCache
+from specjax.sample.rejection import rejection_sample_jit
+from specjax.spec_decode.draft_model import slots_for_positions
+
+
+def verify_forward(
+    params,
+    kv_cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    slot_mapping: jax.Array,
+    block_tables: jax.Array,
+    last_index: jax.Array,
+    draft_ids: jax.Array,
+    num_drafts: jax.Array,
+    *,
+    config: LlamaConfig,
+) -> tuple[jax.Array, KVCache]:
+    """Target logits ``[B, K+1, V]`` for catch-up ``tokens [B, C]`` followed by ``draft_ids [B, K]``."""
+    b, c = tokens.shape
+    k = draft_ids.shape[1]
+    catch_up = last_index + 1  # [B]
+    j = jnp.arange(k, dtype=jnp.int32)
+    rows = jnp.arange(b)[:, None]
+    valid = j[None, :] < num_drafts[:, None]  # [B, K]
+    draft_cols = jnp.where(valid, catch_up[:, None] + j, c + k)  # out of range = dropped
+    all_tokens = jnp.pad(tokens, ((0, 0), (0, k))).at[rows, draft_cols].set(draft_ids, mode="drop")  # [B, C+K]
+    all_positions = positions[:, :1] + jnp.arange(c + k, dtype=jnp.int32)  # [B, C+K]
+    draft_slots = slots_for_positions(
+        block_tables, jnp.take_along_axis(all_positions, jnp.minimum(draft_cols, c + k - 1), axis=1), valid,
+        kv_cache.block_size,
+    )  # [B, K]
+    all_slots = jnp.pad(slot_mapping, ((0, 0), (0, k)), constant_values=-1)
+    all_slots = all_slots.at[rows, draft_cols].set(draft_slots, mode="drop")  # [B, C+K]
+    md = AttentionMetadata(slot_mapping=all_slots, block_tables=block_tables)
+    logits_indices = jnp.minimum(last_index[:, None] + jnp.arange(k + 1, dtype=jnp.int32), c + k - 1)  # [B, K+1]
+    logits, _, kv_cache = forward(
+        params, all_tokens, all_positions, kv_cache, md, config=config, logits_indices=logits_indices
+    )
+    return logits, kv_cache  # [B, K+1, V]
+
+
+def verify_sample(
+    target_logits: jax.Array,
+    draft_ids: jax.Array,
+    num_drafts: jax.Array,
+    draft_probs: jax.Array | None,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+    conditional_rates: jax.Array | None,
+    *,
+    method: str,
+) -> tuple[jax.Array, jax.Array]:
+    """Rejection-sample ``[B, K+1]`` output tokens and accepted counts; skips the top-k/top-p sort when unused."""
+    filtering = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
+
+    def run(tk, tp):
+        return rejection_sample_jit(
+            draft_ids, num_drafts, target_logits, draft_probs, temperature, tk, tp, keys, conditional_rates,
+            method=method,
+        )
+
+    return jax.lax.cond(filtering, lambda: run(top_k, top_p), lambda: run(None, None))
