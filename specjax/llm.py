@@ -79,6 +79,8 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_prefill_chunk: int = 128,
+        batch_buckets: Sequence[int] | None = None,
+        query_buckets: Sequence[int] | None = None,
         warmup: bool = True,
     ):
         if model is None:
@@ -106,6 +108,8 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
             max_prefill_chunk=max_prefill_chunk,
+            batch_buckets=tuple(batch_buckets) if batch_buckets is not None else None,
+            query_buckets=tuple(query_buckets) if query_buckets is not None else None,
             seed=seed,
         )
         self.tokenizer = load_tokenizer(os.fspath(tokenizer) if tokenizer is not None else self.model_path)

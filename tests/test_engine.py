@@ -195,19 +195,19 @@ def test_error_mid_generate_aborts_cleanly(llm, monkeypatch):
     params = specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = _prompts(14, [5, 9])
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    real_execute = llm.runner.execute
+    real_run = llm.runner.run
     calls = {"n": 0}
 
-    def flaky(rows, scheduler):
+    def flaky(inputs, num_rows):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        return real_execute(rows, scheduler)
+        return real_run(inputs, num_rows)
 
-    monkeypatch.setattr(llm.runner, "execute", flaky)
+    monkeypatch.setattr(llm.runner, "run", flaky)
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(prompts, params)
-    monkeypatch.setattr(llm.runner, "execute", real_execute)
+    monkeypatch.setattr(llm.runner, "run", real_run)
     assert not llm.engine.has_unfinished
     assert llm.engine.scheduler.blocks.num_free == llm.engine_config.total_kv_blocks
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before
