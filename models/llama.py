@@ -341,7 +341,9 @@ class _OutProj(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", _kernel_init, (x.shape[-2], x.shape[-1], self.d), self.param_dtype)  # [H, E, D]
-        y = jnp.einsum("bthe,hed->btd", x, kernel.astype(x.dtype))  # [B, T, D]
+        b, t, h, e = x.shape
+        # One [H*E, D] GEMM: XLA:CPU runs a dot with two contracting dims ~3x slower at small batch.
+        y = (x.reshape(b, t, h * e) @ kernel.reshape(h * e, self.d).astype(x.dtype))  # [B, T, D]
         if self.bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.d,), self.param_dtype).astype(x.dtype)
         return y
