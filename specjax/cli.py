@@ -47,6 +47,13 @@ def _generate(args: argparse.Namespace) -> int:
         text = completion.text if llm.tokenizer is not None else " ".join(map(str, completion.token_ids))
         print(text)
     metrics = llm.get_metrics()
+    if "acceptance_rate" in metrics:
+        print(
+            f"[specjax] speculative {llm.speculative_config.method or 'synthetic'}: acceptance rate "
+            f"{metrics['acceptance_rate']:.3f}, mean acceptance length {metrics['mean_acceptance_length']:.2f}, "
+            f"accepted per position {metrics['accepted_per_position']}",
+            file=sys.stderr,
+        )
     print(
         f"[specjax] {len(outputs)} prompts, {n_tokens} tokens in {elapsed:.2f}s "
         f"({n_tokens / elapsed:.1f} tokens/s); compiles: {metrics['num_compiles']} "

@@ -192,10 +192,6 @@ class ModelRunner:
         next_tokens, self.kv_cache = exe(self.params, self.kv_cache, inputs)
         return np.asarray(next_tokens)[:num_rows]
 
-    def execute(self, rows: list[ScheduledRow], scheduler: Scheduler) -> np.ndarray:
-        """Run one plain step over ``rows``; returns the sampled token of every row (int32 [len(rows)])."""
-        return self.run(self.build_inputs(rows, scheduler), len(rows))
-
 
 @dataclasses.dataclass
 class EngineStats:
