@@ -2,8 +2,8 @@
 
 Times the engine's own compiled pieces side by side: ``verify_forward`` of a
 ~35M-parameter random Llama with V = 32000 over [B, K+1] tokens, and
-``verify_sample`` (the jnp rejection sampler the engine uses on CPU) on its
-logits, greedy and random. Median of --reps after warmup.
+the sampler the engine runs on its logits: ``greedy_verify_reference`` when
+every row is greedy, ``verify_sample`` (the jnp rejection sampler) otherwise. Median of --reps after warmup.
 
     python benchmarks/bench_sampler_share.py --out benchmarks/results/sampler_share.json
 """
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.llama import LlamaConfig, init_params, num_params
+from pallas_kernels.rejection import greedy_verify_reference
 from specjax.engine import StepInputs, row_keys
 from specjax.kv_cache import KVCache
 from specjax.spec_decode.verify import verify_forward, verify_sample
@@ -77,10 +78,14 @@ def main() -> None:
             cache = state["cache"]
             keys = row_keys(jnp.zeros(b, jnp.uint32), jnp.arange(b, dtype=jnp.uint32), jnp.zeros(b, jnp.int32))
             sample = jax.jit(functools.partial(verify_sample, method="standard"))
+            greedy = jax.jit(greedy_verify_reference)  # what the engine runs when every row is greedy
             for mode, temp in (("greedy", 0.0), ("random", 1.0)):
                 temperature = jnp.full((b,), temp, jnp.float32)
-                t_sample = _median_time(lambda: sample(logits, drafts, num, None, temperature,
-                                                       jnp.zeros(b, jnp.int32), jnp.ones(b), keys, None), args.reps)
+                if mode == "greedy":
+                    t_sample = _median_time(lambda: greedy(drafts, num, logits), args.reps)
+                else:
+                    t_sample = _median_time(lambda: sample(logits, drafts, num, None, temperature,
+                                                           jnp.zeros(b, jnp.int32), jnp.ones(b), keys, None), args.reps)
                 row = {"batch": b, "k": k, "mode": mode, "forward_ms": t_fwd * 1e3, "sample_ms": t_sample * 1e3,
                        "sampler_share": t_sample / (t_fwd + t_sample)}
                 rows.append(row)

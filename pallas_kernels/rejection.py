@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from specjax.sample.transforms import apply_temperature, sample_with_exponentials, transform_logits
+from specjax.sample.transforms import apply_temperature, argmax_last, sample_with_exponentials, transform_logits
 
 METHODS = ("standard", "synthetic", "block")
 
@@ -77,7 +77,7 @@ def _verify_row(
     valid = pos < n  # [K+1, 1] positions holding a draft to verify
 
     x = logits.astype(jnp.float32)  # [K+1, V]
-    greedy_ids = jnp.argmax(x, axis=1, keepdims=True).astype(jnp.int32)  # [K+1, 1], raw logits
+    greedy_ids = argmax_last(x)[:, None]  # [K+1, 1], raw logits
 
     # Target probabilities p at every position; a fully masked position gets p = 0
     # (so nothing there is accepted and the draw falls back to token 0, in range).
@@ -308,7 +308,7 @@ def greedy_verify_reference(
     """All-greedy fast path: one argmax pass, same outputs as the full path for greedy rows."""
     b, k = draft_token_ids.shape
     logits = jnp.where(jnp.isnan(target_logits), jnp.asarray(-jnp.inf, target_logits.dtype), target_logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    greedy = argmax_last(logits)  # [B, K+1]
     pos = jnp.arange(k + 1, dtype=jnp.int32)[None, :]  # [1, K+1]
     draft = jnp.concatenate([draft_token_ids.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], axis=1)
     ok = (draft == greedy) & (pos < num_draft_tokens[:, None])

@@ -1,16 +1,35 @@
-"""specjax: speculative decoding for large language models on JAX/XLA."""
+"""specjax: speculative decoding for large language models on JAX/XLA.
 
-from specjax.config import EngineConfig, SamplingParams
-from specjax.llm import LLM, CompletionOutput, RequestOutput
+The public names are imported on first use, so ``import specjax.<module>`` (or
+``models`` / ``pallas_kernels``, which import specjax modules) never runs into
+an import cycle through this package's top level.
+"""
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "rejection_sample"]
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "specjax.llm",
+    "RequestOutput": "specjax.llm",
+    "CompletionOutput": "specjax.llm",
+    "SamplingParams": "specjax.config",
+    "EngineConfig": "specjax.config",
+    "SpeculativeConfig": "specjax.config",
+    "rejection_sample": "specjax.sample.rejection",
+    "rejection_sample_with_counts": "specjax.sample.rejection",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
-    # The rejection sampler is imported lazily so the package imports without it being built.
-    if name in ("rejection_sample", "rejection_sample_with_counts"):
-        from specjax.sample import rejection
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")
 
-        return getattr(rejection, name)
-    raise AttributeError(name)
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

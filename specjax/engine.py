@@ -21,7 +21,7 @@ from specjax.buckets import CompiledBuckets
 from specjax.config import EngineConfig, bucket_for
 from specjax.kv_cache import AttentionMetadata, KVCache
 from specjax.metrics import LatencyStats
-from specjax.sample.transforms import sample_tokens
+from specjax.sample.transforms import argmax_last, sample_tokens
 from specjax.scheduler import Request, ScheduledRow, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def sample_rows(logits: jax.Array, inputs: StepInputs) -> jax.Array:
         return sample_tokens(logits, temperature, None, None, keys)
 
     def greedy_only():
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax_last(logits)
 
     return jax.lax.cond(
         jnp.any(random_rows), lambda: jax.lax.cond(filtering, with_filters, without_filters), greedy_only

@@ -76,6 +76,21 @@ def transform_logits(
     return apply_top_k_top_p(apply_temperature(logits, temperature), top_k, top_p)
 
 
+def argmax_last(x: jax.Array) -> jax.Array:
+    """``argmax`` over the last axis (first maximum, int32), in two single-output reductions.
+
+    XLA:CPU lowers jnp.argmax to a variadic (value, index) reduce that runs ~4x
+    slower than a max followed by a min over a float iota; over [B, K+1, V]
+    logits that difference is most of the sampler's time. Exact for V < 2**24.
+    A row with NaN returns an in-range index (V - 1) instead of the NaN's.
+    """
+    vocab = x.shape[-1]
+    m = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.float32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == m, iota, float(vocab)), axis=-1)
+    return jnp.minimum(first, vocab - 1).astype(jnp.int32)
+
+
 def row_exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Exp(1) noise of ``[B, *shape]`` with row b drawn from ``keys[b]`` alone.
 
@@ -98,7 +113,7 @@ def sample_with_exponentials(probs_or_logits: jax.Array, exponentials: jax.Array
         scores = probs_or_logits - jnp.log(exponentials)
     else:
         scores = probs_or_logits / exponentials
-    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    return argmax_last(scores)
 
 
 def sample_tokens(
@@ -113,7 +128,7 @@ def sample_tokens(
     keys: typed PRNG keys ``[B]`` (one per request; see :func:`request_keys`).
     Returns int32 [B].
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+    greedy = argmax_last(logits)  # [B]
     shaped = transform_logits(logits, temperature, top_k, top_p)  # [B, V]
     sampled = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
     return jnp.where(temperature > 0, sampled, greedy)

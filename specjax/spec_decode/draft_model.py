@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from models.llama import LlamaConfig, forward
 from specjax.kv_cache import AttentionMetadata, KVCache
-from specjax.sample.transforms import row_exponentials, sample_with_exponentials, transform_logits
+from specjax.sample.transforms import argmax_last, row_exponentials, sample_with_exponentials, transform_logits
 
 
 _DRAFT_KEY_TAG = 0x44524654  # "DRFT"
@@ -38,7 +38,7 @@ def draw_draft(
     q goes through the same transforms as the target (temperature, top-k, top-p),
     which exact random verification requires.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+    greedy = argmax_last(logits)  # [B]
     if not probabilistic:
         return greedy, None
     shaped = transform_logits(logits, temperature, top_k, top_p)  # [B, V]

@@ -21,6 +21,7 @@ from specjax.config import EngineConfig, SpeculativeConfig, bucket_for
 from specjax.engine import ModelRunner, StepInputs, row_keys
 from specjax.kv_cache import KVCache
 from specjax.metrics import SpecDecodeStats
+from pallas_kernels.rejection import greedy_verify_reference
 from specjax.sample.rejection import conditional_acceptance_rates
 from specjax.scheduler import ScheduledRow, Scheduler
 from specjax.spec_decode.draft_model import draft_propose
@@ -88,6 +89,11 @@ class SpecRunner:
         self.sample = CompiledBuckets(
             "verify_sample", jax.jit(functools.partial(_sample_step, method=method)), self._sample_args
         )
+        # All-greedy steps (known on the host) skip the random machinery entirely: on XLA:CPU the
+        # untaken branch of an in-graph cond still costs as much as the greedy pass itself.
+        # Synthetic acceptance applies to greedy rows too, so it never takes this path.
+        self.greedy_path = method != "synthetic"
+        self.sample_greedy = CompiledBuckets("verify_greedy", jax.jit(greedy_verify_reference), self._greedy_args)
         self.draft_config = None
         self.draft_cache = None
         if draft is not None:
@@ -135,6 +141,12 @@ class SpecRunner:
         ids = np.zeros((batch, k), np.int32)
         return logits, ids, ids[:, 0], probs, _row_params(self._inputs(batch, 1)), self.rates
 
+    def _greedy_args(self, bucket):
+        batch, k = bucket
+        logits = jax.ShapeDtypeStruct((batch, k + 1, self.target.model_config.vocab_size), np.float32)
+        ids = np.zeros((batch, k), np.int32)
+        return ids, ids[:, 0], logits
+
     def _draft_args(self, bucket):
         batch, length = bucket
         return self.draft_params, self.draft_cache, self._inputs(batch, length), np.zeros((batch,), np.int32)
@@ -143,7 +155,7 @@ class SpecRunner:
         return self.draft_buckets[k].get((batch, length))
 
     def _all_buckets(self) -> list[CompiledBuckets]:
-        out = [self.verify, self.sample]
+        out = [self.verify, self.sample, self.sample_greedy]
         return out + list(self.draft_buckets.values()) if self.has_draft_model else out
 
     @property
@@ -162,6 +174,8 @@ class SpecRunner:
                 if k == 0:
                     continue
                 self.sample.get((batch, k))
+                if self.greedy_path:
+                    self.sample_greedy.get((batch, k))
                 for length in lengths:
                     self.verify.get((batch, length, k))
                     if self.has_draft_model:
@@ -207,9 +221,12 @@ class SpecRunner:
         )
         jax.block_until_ready(logits)
         t_verify = time.perf_counter()
-        out, accepted = self.sample.get((batch, k))(
-            logits, draft_ids, padded_drafts, draft_probs, _row_params(inputs), self.rates
-        )
+        if self.greedy_path and not inputs.temperature.any():
+            out, accepted = self.sample_greedy.get((batch, k))(draft_ids, padded_drafts, logits)
+        else:
+            out, accepted = self.sample.get((batch, k))(
+                logits, draft_ids, padded_drafts, draft_probs, _row_params(inputs), self.rates
+            )
         out, accepted = np.asarray(out)[:n], np.asarray(accepted)[:n]
         t_sample = time.perf_counter()
         self.stats.draft_time_s += t_draft - start
