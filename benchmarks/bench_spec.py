@@ -7,8 +7,9 @@ compiles its buckets up front (reported as compile time) so timed runs compile
 nothing; each figure is the median of --reps timed runs after one warmup run.
 
 Overhead efficiency = measured speedup / ideal speedup, where
-ideal = mean acceptance length x T_plain_step / (T_draft + T_verify) per step,
-from the engine's own component timers.
+ideal = E[tokens per row per step] x T_plain_step / E[T_draft + T_verify per
+step], from the engine's own component timers (a step where no row has drafts
+runs the plain step, costs T_plain and yields 1 token per row).
 
 Random weights: ngram and draft_model acceptance here says nothing about real
 models (the random draft almost never agrees with the random target); the
@@ -73,8 +74,14 @@ def run_config(ckpt, spec, batches, args, prompts_by_batch):
         if spec is not None:
             drafts = delta["num_drafts"]
             row["mean_acceptance_length"] = 1 + delta["num_accepted_tokens"] / drafts if drafts else 1.0
+            # Tokens per row per step, counting steps where a row had no drafts (ngram misses).
+            row["tokens_per_row_step"] = delta["num_generated_tokens"] / max(delta["num_row_steps"], 1)
             row["acceptance_rate"] = delta["num_accepted_tokens"] / max(delta["num_draft_tokens"], 1)
             spec_steps = max(delta["num_spec_steps"], 1)
+            row["steps"] = delta["num_steps"]
+            row["plain_steps"] = delta["num_steps"] - delta["num_spec_steps"]
+            row["draft_total_s"] = delta["draft_time_s"]
+            row["verify_total_s"] = delta["verify_time_s"]
             row["draft_s"] = delta["draft_time_s"] / spec_steps
             row["verify_s"] = delta["verify_time_s"] / spec_steps
             row["sample_s"] = delta["sample_time_s"] / spec_steps
@@ -129,7 +136,10 @@ def main() -> None:
                      **{key: v for key, v in row.items() if key != "token_ids"}}
             entry["speedup"] = row["tok_s"] / plain[batch]["tok_s"]
             if spec is not None:
-                ideal = row["mean_acceptance_length"] * plain[batch]["step_s"] / (row["draft_s"] + row["verify_s"])
+                t_plain = plain[batch]["step_s"]
+                # Mean component cost per step; steps that fell back to plain decoding cost T_plain.
+                cost = (row["draft_total_s"] + row["verify_total_s"] + t_plain * row["plain_steps"]) / row["steps"]
+                ideal = row["tokens_per_row_step"] * t_plain / cost
                 entry["ideal_speedup"] = ideal
                 entry["efficiency"] = entry["speedup"] / ideal
                 if not name.startswith("synthetic"):

@@ -201,6 +201,8 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
+    num_row_steps: int = 0
+    """Sum over steps of the rows that produced tokens (tokens / row-steps = tokens per step per row)."""
     step_seconds: float = 0.0
 
 
@@ -261,6 +263,7 @@ class Engine:
                 continue
             # The draft model has not seen its last accepted draft when all drafts were accepted.
             lag = 1 if (self.spec is not None and self.spec.has_draft_model and 0 < num_drafts == accepted) else 0
+            self.stats.num_row_steps += 1
             first = not request.output_token_ids
             kept = self.scheduler.commit(row, new_tokens, num_computed=computed + accepted - lag)
             if num_drafts:
@@ -299,6 +302,10 @@ class Engine:
                 for i, drafts in enumerate(proposals):
                     caps[i] = len(drafts)
                     host_drafts[i, : len(drafts)] = drafts
+                if not caps.any():
+                    # Nothing to verify anywhere: a plain step is the same computation on 1 token instead of K+1.
+                    tokens = self.runner.run(inputs, len(rows)).tolist()
+                    return [([t] if r.samples else [], 0, 0) for r, t in zip(rows, tokens)]
         out, accepted = self.spec.execute(rows, self.scheduler, inputs, k, caps, host_drafts)
         return [
             (out[i, : accepted[i] + 1].tolist() if rows[i].samples else [], int(caps[i]), int(accepted[i]))

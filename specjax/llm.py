@@ -293,8 +293,9 @@ class LLM:
     def warmup(self) -> None:
         """Compile every bucket now (``LLM(warmup=True)`` already did)."""
         ks = self.spec_runner.ks if self.spec_runner is not None else [0]
-        if 0 in ks:
-            self.runner.warmup()  # plain steps run only when K = 0 for some batch size
+        # Plain steps run when K = 0 for some batch size, or when a host proposer finds no drafts at all.
+        if 0 in ks or self.engine.proposer is not None:
+            self.runner.warmup()
         if self.spec_runner is not None:
             self.spec_runner.warmup()
 
@@ -315,6 +316,7 @@ class LLM:
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_generated_tokens": s.num_generated_tokens,
             "num_steps": s.num_steps,
+            "num_row_steps": s.num_row_steps,
             "num_preemptions": self.engine.scheduler.num_preemptions,
             "num_compiles": self.num_compiles,
             "compile_seconds": self.compile_seconds,

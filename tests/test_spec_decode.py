@@ -284,3 +284,21 @@ def test_method_auto_detection(tmp_path):
         SpeculativeConfig(model=str(tmp_path / "EAGLE3-llama"), num_speculative_tokens=2)
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)
     assert cfg.prompt_lookup_min == cfg.prompt_lookup_max == 3
+
+
+def test_ngram_warmup_covers_no_draft_steps_and_cli_reports_acceptance(target_dir, plain, capsys):
+    """Steps where ngram finds nothing run the plain bucket: warmup must have compiled it too."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    llm = specjax.LLM(target_dir, speculative_config=spec, warmup=True, **KW)
+    prompts = _prompts(20, [3, 30]) + [{"prompt_token_ids": [4, 5, 6, 7, 8, 9]}]  # the last has no repeats
+    with count_compiles() as counter:
+        got = _ids(llm.generate(prompts, GREEDY))
+    assert counter.count == 0
+    assert got == _ids(plain.generate(prompts, GREEDY))
+    from specjax.cli import main
+
+    rc = main(["generate", "--model", str(target_dir), "--prompt-token-ids", "5,6,7,5,6,7,5,6", "--max-tokens", "8",
+               "--no-warmup", "--max-model-len", "64", "--speculative-config", '{"method": "ngram", '
+               '"num_speculative_tokens": 2, "prompt_lookup_min": 1}'])
+    assert rc == 0
+    assert "acceptance rate" in capsys.readouterr().err
