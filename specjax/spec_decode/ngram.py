@@ -25,28 +25,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_EMPTY = np.zeros((0,), dtype=np.int32)
-_EMPTY.flags.writeable = False  # shared by every "no drafts" answer
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def check_batch(request_ids: Sequence[str], token_ids: Sequence[np.ndarray], max_drafts: Sequence[int]) -> None:
-    """Shared argument check for host proposers: equal lengths, non-negative budgets."""
-    if not (len(request_ids) == len(token_ids) == len(max_drafts)):
-        raise ValueError(
-            f"request_ids, token_ids and max_drafts must have equal lengths, got "
-            f"{len(request_ids)}, {len(token_ids)}, {len(max_drafts)}"
-        )
-    for m in max_drafts:
-        if m < 0:
-            raise ValueError(f"max_drafts must be >= 0, got {m}")
-
+from specjax.spec_decode.proposer import EMPTY_DRAFTS as _EMPTY
+from specjax.spec_decode.proposer import check_batch
+from specjax.spec_decode.proposer import check_int as _check_int
 
 def longest_ngram_continuation(seq: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to ``k`` tokens following the earliest earlier occurrence of the longest suffix n-gram

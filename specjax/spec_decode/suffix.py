@@ -68,20 +68,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specjax.spec_decode.ngram import check_batch
+from specjax.spec_decode.proposer import EMPTY_DRAFTS as _EMPTY
+from specjax.spec_decode.proposer import check_batch
+from specjax.spec_decode.proposer import check_int as _check_int
 
 logger = logging.getLogger(__name__)
-
-_EMPTY = np.zeros((0,), dtype=np.int32)
-_EMPTY.flags.writeable = False  # shared by every "no drafts" answer
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
 
 def _check_float(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
