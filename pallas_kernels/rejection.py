@@ -342,3 +342,74 @@ def rejection_sample_reference(
     in_axes = (0, 0, 0, None if draft_probs is None else 0, 0, 0, 0, None)
     out, num = jax.vmap(row, in_axes=in_axes)(draft, n, logits, draft_probs, temp, u, exps, rates)
     return out[:, :, 0], num[:, 0, 0]
+
+
+# ----------------------------------------------------------------------------
+# Batched XLA path for method="standard": what the engine runs off-TPU.
+# ----------------------------------------------------------------------------
+
+
+def _take_position(x: jax.Array, index: jax.Array) -> jax.Array:
+    """Row ``index[b]`` of ``x [B, K+1, ...]`` along the position axis: ``[B, 1, ...]``."""
+    idx = index.reshape((x.shape[0], 1) + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, jnp.broadcast_to(idx, (x.shape[0], 1) + x.shape[2:]), axis=1)
+
+
+@jax.jit
+def standard_verify_xla(
+    draft_token_ids: jax.Array,  # int32 [B, K]
+    num_draft_tokens: jax.Array,  # int32 [B]
+    target_logits: jax.Array,  # float [B, K+1, V]
+    draft_probs: jax.Array | None,  # float [B, K, V] or None
+    temperature: jax.Array,  # float [B]
+    top_k: jax.Array | None,  # int32 [B] or None
+    top_p: jax.Array | None,  # float [B] or None
+    uniforms: jax.Array,  # float32 [B, K]
+    exponentials: jax.Array,  # float32 [B, V]
+) -> tuple[jax.Array, jax.Array]:
+    """Token-wise verification with the same arithmetic as :func:`rejection_sample_reference`, batched.
+
+    The per-row reference materializes p, q, one-hot masks and residuals for all
+    K+1 positions (about a dozen passes over [B, K+1, V]); acceptance only needs
+    p and q at the draft tokens, and the residual only at the first rejected
+    position. This path gathers those instead: two passes for the softmax
+    normalizers, two for the greedy argmax, then [B, V] work for one row.
+    Each selected value is computed by the same float ops as the reference's, so
+    outputs match it exactly (tested).
+    """
+    draft, n, logits, temp, u, exps, _ = _prepare(
+        draft_token_ids, num_draft_tokens, target_logits, temperature, top_k, top_p, uniforms, exponentials,
+        None, "standard")
+    b, kp1, vocab = logits.shape
+    pos = jnp.arange(kp1, dtype=jnp.int32)[None, :, None]  # [1, K+1, 1]
+    is_greedy = temp <= 0.0  # [B, 1, 1]
+    x = logits.astype(jnp.float32)  # [B, K+1, V]
+    greedy_ids = argmax_last(x)[..., None]  # [B, K+1, 1]
+    s = jnp.minimum(apply_temperature(x, temp.reshape(b)), _F32_MAX)  # [B, K+1, V]
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(m > -jnp.inf, m, 0.0)  # [B, K+1, 1]
+    z = jnp.sum(jnp.exp(s - m), axis=-1, keepdims=True)
+    z = jnp.where(z > 0, z, 1.0)  # [B, K+1, 1]
+    has_draft = (draft >= 0) & (draft < vocab)  # [B, K+1, 1]; position K and padding hold -1
+    safe_draft = jnp.clip(draft, 0, vocab - 1)
+    p_draft = jnp.where(has_draft, jnp.exp(jnp.take_along_axis(s, safe_draft, axis=-1) - m) / z, 0.0)
+    if draft_probs is None:
+        q_draft = has_draft.astype(jnp.float32)
+    else:
+        q_all = jnp.concatenate([draft_probs.astype(jnp.float32), jnp.zeros((b, 1, vocab), jnp.float32)], axis=1)
+        q_all = jnp.where(q_all > 0, q_all, 0.0)  # [B, K+1, V]; also maps NaN to 0
+        q_draft = jnp.where(has_draft, jnp.take_along_axis(q_all, safe_draft, axis=-1), 0.0)
+    accept = jnp.where(is_greedy, draft == greedy_ids, (q_draft > 0) & (u * q_draft < p_draft))
+    num_acc = jnp.min(jnp.where(accept & (pos < n), _BIG_POS, pos), axis=1, keepdims=True)  # [B, 1, 1]
+    p_a = jnp.exp(_take_position(s, num_acc) - _take_position(m, num_acc)) / _take_position(z, num_acc)  # [B, 1, V]
+    if draft_probs is None:
+        vocab_iota = jax.lax.broadcasted_iota(jnp.int32, (b, 1, vocab), 2)
+        q_a = (vocab_iota == _take_position(draft, num_acc)).astype(jnp.float32)  # [B, 1, V]
+    else:
+        q_a = _take_position(q_all, num_acc)  # [B, 1, V]
+    r = jnp.where(num_acc < n, jnp.maximum(p_a - q_a, 0.0), p_a)
+    r = jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0, r, p_a)
+    sampled = sample_with_exponentials(r, exps, logits=False)[..., None]  # [B, 1, 1]
+    token = jnp.where(is_greedy, _take_position(greedy_ids, num_acc), sampled)
+    out = jnp.where(pos < num_acc, draft, jnp.where(pos == num_acc, token, -1)).astype(jnp.int32)
+    return out[:, :, 0], num_acc[:, 0, 0].astype(jnp.int32)

@@ -40,6 +40,7 @@ from pallas_kernels.rejection import (
     greedy_verify_reference,
     rejection_sample_kernel,
     rejection_sample_reference,
+    standard_verify_xla,
 )
 from specjax.sample.transforms import row_exponentials
 
@@ -139,10 +140,16 @@ def rejection_sample_jit(
         return rejection_sample_kernel(*args, method=method, interpret=interpret)
     if method == "synthetic":
         return rejection_sample_reference(*args, method=method)
+    # Token-wise verification has a batched XLA path with the reference's exact arithmetic.
+    def full():
+        if method == "standard":
+            return standard_verify_xla(*args[:-1])
+        return rejection_sample_reference(*args, method=method)
+
     # All-greedy batches skip the softmax/residual work (an argmax pass instead); same outputs.
     return jax.lax.cond(
         any_random,
-        lambda: rejection_sample_reference(*args, method=method),
+        full,
         lambda: greedy_verify_reference(draft_token_ids, num_draft_tokens, target_logits),
     )
 
