@@ -12,7 +12,8 @@ logger = logging.getLogger("specjax")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory or builtin:<name>; default: the shipped pair with speculation")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=8)

@@ -46,6 +46,25 @@ class RequestOutput:
     finished: bool = True
 
 
+BUILTIN_PREFIX = "builtin:"
+DEFAULT_BUILTIN_SPEC = {"method": "draft_model", "model": f"{BUILTIN_PREFIX}draft", "num_speculative_tokens": 4}
+
+
+def resolve_model(model: str | os.PathLike) -> str:
+    """A model directory, with ``builtin:<name>`` mapped to the directory shipped inside the package."""
+    name = os.fspath(model)
+    if not name.startswith(BUILTIN_PREFIX):
+        return name
+    from specjax import builtin
+
+    root = os.path.dirname(builtin.__file__)
+    available = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "config.json")))
+    short = name[len(BUILTIN_PREFIX):]
+    if short not in available:
+        raise ValueError(f"model={name!r}: no built-in model {short!r}; available: {available}")
+    return os.path.join(root, short)
+
+
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
@@ -84,7 +103,11 @@ class LLM:
         warmup: bool = True,
     ):
         if model is None:
-            raise ValueError("model: a Hugging Face model directory is required (no built-in model ships yet)")
+            # The shipped pair: the trained target, verified against its distilled draft.
+            model = f"{BUILTIN_PREFIX}target"
+            if speculative_config is None:
+                speculative_config = dict(DEFAULT_BUILTIN_SPEC)
+        model = resolve_model(model)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if tensor_parallel_size != 1:
@@ -140,7 +163,7 @@ class LLM:
             )
         draft, proposer = None, None
         if spec.method == "draft_model":
-            draft_config, draft_params = load_hf_model(spec.model, dtype=dtype)
+            draft_config, draft_params = load_hf_model(resolve_model(spec.model), dtype=dtype)
             if draft_config.vocab_size != self.model_config.vocab_size:
                 raise ValueError(
                     f"speculative_config.model vocab_size={draft_config.vocab_size} differs from the target's "
