@@ -31,9 +31,6 @@ class CompiledBuckets:
         self.num_compiles = 0
         self.compile_seconds = 0.0
 
-    def __contains__(self, bucket: Hashable) -> bool:
-        return bucket in self._compiled
-
     def get(self, bucket: Hashable):
         exe = self._compiled.get(bucket)
         if exe is None:

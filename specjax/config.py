@@ -61,10 +61,6 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def top_k_or_off(self) -> int:
         """top_k with -1 folded into 0 (off), the form the device sampler takes."""
         return max(self.top_k, 0)

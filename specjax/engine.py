@@ -203,7 +203,6 @@ class EngineStats:
     num_finished_requests: int = 0
     num_row_steps: int = 0
     """Sum over steps of the rows that produced tokens (tokens / row-steps = tokens per step per row)."""
-    step_seconds: float = 0.0
 
 
 class Engine:
@@ -242,7 +241,6 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
-        start = time.perf_counter()
         rows = self.scheduler.schedule()
         k = self.spec.k_table[min(len(rows), len(self.spec.k_table) - 1)] if self.spec is not None else 0
         if k == 0:
@@ -277,7 +275,6 @@ class Engine:
                 self._release(request)
         self.stats.num_finished_requests += len(finished)
         self.stats.num_steps += 1
-        self.stats.step_seconds += time.perf_counter() - start
         return finished
 
     def _speculate(self, rows: list[ScheduledRow], k: int) -> list[tuple[list[int], int, int]]:

@@ -45,14 +45,6 @@ class KVCache:
     block_size: int = flax.struct.field(pytree_node=False)
     """Tokens per block (static)."""
 
-    @property
-    def num_slots(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_slots // self.block_size
-
     @classmethod
     def allocate(
         cls, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
