@@ -266,6 +266,11 @@ class Engine:
             kept = self.scheduler.commit(row, new_tokens, num_computed=computed + accepted - lag)
             if num_drafts:
                 self.spec.stats.observe(num_drafts, accepted)
+                request.num_spec_steps += 1
+                request.num_draft_tokens += num_drafts
+                request.num_accepted_tokens += accepted
+            if first:
+                request.first_token_time = now
             self.latency.observe_tokens(now - (request.arrival_time if first else request.last_token_time),
                                         len(kept), first)
             request.last_token_time = now

@@ -44,6 +44,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Per-request counters: num_draft_tokens, num_accepted_tokens, acceptance_rate (None without drafts),
+    num_spec_steps, num_preemptions, time_to_first_token_s, latency_s."""
 
 
 BUILTIN_PREFIX = "builtin:"
@@ -63,6 +66,18 @@ def resolve_model(model: str | os.PathLike) -> str:
     if short not in available:
         raise ValueError(f"model={name!r}: no built-in model {short!r}; available: {available}")
     return os.path.join(root, short)
+
+
+def _request_metrics(r: Request) -> dict[str, Any]:
+    return {
+        "num_draft_tokens": r.num_draft_tokens,
+        "num_accepted_tokens": r.num_accepted_tokens,
+        "acceptance_rate": r.num_accepted_tokens / r.num_draft_tokens if r.num_draft_tokens else None,
+        "num_spec_steps": r.num_spec_steps,
+        "num_preemptions": r.num_preemptions,
+        "time_to_first_token_s": r.first_token_time - r.arrival_time if r.first_token_time is not None else None,
+        "latency_s": r.last_token_time - r.arrival_time,
+    }
 
 
 def _as_prompt_list(prompts) -> list:
@@ -304,6 +319,7 @@ class LLM:
                 prompt=text,
                 prompt_token_ids=list(r.prompt_token_ids),
                 outputs=[CompletionOutput(0, self._decode(r.output_token_ids), list(r.output_token_ids), r.finish_reason)],
+                metrics=_request_metrics(r),
             )
             for (text, _), r in zip(parsed, requests)
         ]

@@ -46,6 +46,14 @@ class Request:
     """perf_counter() when the engine received the request."""
     last_token_time: float = 0.0
     """perf_counter() when the request last received tokens."""
+    first_token_time: float | None = None
+    """perf_counter() when the request received its first token."""
+    num_spec_steps: int = 0
+    """Steps in which this request verified at least one draft."""
+    num_draft_tokens: int = 0
+    """Drafts verified for this request."""
+    num_accepted_tokens: int = 0
+    """Drafts accepted for this request."""
 
     @property
     def num_tokens(self) -> int:
