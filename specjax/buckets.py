@@ -26,7 +26,7 @@ class CompiledBuckets:
         """``example_args(bucket)`` returns arguments (arrays or ShapeDtypeStructs) of that bucket's shapes."""
         self.name = name
         self._jitted = jitted
-        self._example_args = example_args
+        self.example_args = example_args
         self._compiled: dict[Hashable, Any] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -35,7 +35,7 @@ class CompiledBuckets:
         exe = self._compiled.get(bucket)
         if exe is None:
             start = time.perf_counter()
-            exe = self._jitted.lower(*self._example_args(bucket)).compile()
+            exe = self._jitted.lower(*self.example_args(bucket)).compile()
             elapsed = time.perf_counter() - start
             self.num_compiles += 1
             self.compile_seconds += elapsed

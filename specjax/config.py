@@ -97,9 +97,12 @@ class EngineConfig:
     """Query-length buckets; None = 1, 4, 16, ... up to max_prefill_chunk."""
     seed: int = 0
     """Seeds the noise of requests that have no seed of their own."""
+    data_parallel_size: int = 1
+    """dp groups a step's rows are split over: every row bucket is a multiple of it."""
 
     def __post_init__(self) -> None:
         _check_int("max_model_len", self.max_model_len, minimum=1)
+        _check_int("data_parallel_size", self.data_parallel_size, minimum=1)
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("max_prefill_chunk", self.max_prefill_chunk, minimum=1)
@@ -125,6 +128,9 @@ class EngineConfig:
             object.__setattr__(self, name, buckets)
         if self.batch_buckets is not None and self.batch_buckets[-1] < self.max_num_seqs:
             raise ValueError(f"batch_buckets must reach max_num_seqs={self.max_num_seqs}, got {self.batch_buckets}")
+        dp = self.data_parallel_size
+        if self.batch_buckets is not None and any(b % dp for b in self.batch_buckets):
+            raise ValueError(f"batch_buckets must be multiples of data_parallel_size={dp}, got {self.batch_buckets}")
 
     @property
     def blocks_per_seq(self) -> int:
@@ -142,7 +148,8 @@ class EngineConfig:
 
     @property
     def row_buckets(self) -> tuple[int, ...]:
-        return self.batch_buckets or _powers_of_two_upto(self.max_num_seqs)
+        dp = self.data_parallel_size
+        return self.batch_buckets or _powers_of_two_upto(-(-self.max_num_seqs // dp) * dp, start=dp)
 
     @property
     def length_buckets(self) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from specjax.buckets import CompiledBuckets
 from specjax.config import EngineConfig, bucket_for
 from specjax.kv_cache import AttentionMetadata, KVCache
 from specjax.metrics import LatencyStats
+from specjax.parallel.sharding import ShardingPlan, make_mesh
 from specjax.sample.transforms import argmax_last, sample_tokens
 from specjax.scheduler import Request, ScheduledRow, Scheduler
 
@@ -123,10 +124,16 @@ def decode_step(
 class ModelRunner:
     """Device side: parameters, the paged KV cache and the compiled step of every bucket."""
 
-    def __init__(self, model_config: LlamaConfig, params, engine_config: EngineConfig, *, kv_dtype):
+    def __init__(
+        self, model_config: LlamaConfig, params, engine_config: EngineConfig, *, kv_dtype,
+        plan: ShardingPlan | None = None,
+    ):
         self.model_config = model_config
         self.engine_config = engine_config
-        self.params = params
+        self.plan = plan if plan is not None else ShardingPlan(mesh=make_mesh(), tp=1)
+        self.param_shardings = self.plan.params(params, model_config)
+        self.kv_sharding = self.plan.kv(model_config)
+        self.params = jax.device_put(params, self.param_shardings)
         self.kv_cache = KVCache.allocate(
             num_layers=model_config.num_hidden_layers,
             num_blocks=engine_config.total_kv_blocks,
@@ -134,8 +141,13 @@ class ModelRunner:
             num_kv_heads=model_config.num_key_value_heads,
             head_dim=model_config.head_dim,
             dtype=kv_dtype,
+            sharding=self.kv_sharding,
         )
-        jitted = jax.jit(functools.partial(decode_step, config=model_config), donate_argnums=(1,))
+        rows = self.plan.rows
+        jitted = jax.jit(
+            functools.partial(decode_step, config=model_config), donate_argnums=(1,),
+            in_shardings=(self.param_shardings, self.kv_sharding, rows), out_shardings=(rows, self.kv_sharding),
+        )
         self.decode = CompiledBuckets("decode_step", jitted, self._example_args)
 
     def _example_args(self, bucket: tuple[int, int]):
@@ -149,9 +161,15 @@ class ModelRunner:
         return [(b, t) for b in cfg.row_buckets for t in cfg.length_buckets]
 
     def warmup(self) -> None:
-        """Compile every (rows, query length) bucket now, so generation compiles nothing."""
+        """Compile every (rows, query length) bucket now, so generation compiles nothing.
+
+        Each executable also runs once on an all-padding step (it writes no KV):
+        a first execution costs extra (allocation, thread start-up), and the
+        first real steps should not pay it.
+        """
         for bucket in self.buckets:
-            self.decode.get(bucket)
+            exe = self.decode.get(bucket)
+            _, self.kv_cache = exe(self.params, self.kv_cache, self._example_args(bucket)[2])
 
     @property
     def num_compiles(self) -> int:

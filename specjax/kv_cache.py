@@ -47,12 +47,14 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype
+        cls, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,
+        sharding=None,
     ) -> "KVCache":
+        """Zeroed cache; ``sharding`` (one ``jax.sharding.Sharding`` for every array) places it on a mesh."""
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            k=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(num_layers)),
             block_size=block_size,
         )
 

@@ -17,6 +17,7 @@ from models.llama import LlamaConfig
 from models.loading import load_hf_model, load_tokenizer, read_generation_eos
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specjax.engine import Engine, ModelRunner
+from specjax.parallel.sharding import ShardingPlan, make_mesh
 from specjax.scheduler import Request
 from specjax.spec_decode.runner import SpecRunner
 
@@ -96,6 +97,10 @@ class LLM:
     Args mirror vLLM's ``LLM``. ``warmup=True`` compiles every static-shape
     bucket up front (the JAX counterpart of CUDA-graph capture), so generation
     then compiles nothing.
+
+    ``tensor_parallel_size`` splits target and draft over a ``tp`` mesh axis and
+    ``data_parallel_size`` splits each step's rows over a ``dp`` axis (see
+    :mod:`specjax.parallel.sharding`); ``tp * dp`` local devices are used.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class LLM:
         max_model_len: int = 512,
         max_num_seqs: int = 8,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         speculative_config: dict | None = None,
         seed: int = 0,
         block_size: int = 16,
@@ -125,9 +131,9 @@ class LLM:
         model = resolve_model(model)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+        # Before loading weights: a bad parallel layout fails fast, naming the field.
+        self.mesh = make_mesh(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
         self.model_path = os.fspath(model)
         self.model_config, params = load_hf_model(self.model_path, dtype=dtype)
         max_pos = self.model_config.max_position_embeddings
@@ -149,10 +155,14 @@ class LLM:
             batch_buckets=tuple(batch_buckets) if batch_buckets is not None else None,
             query_buckets=tuple(query_buckets) if query_buckets is not None else None,
             seed=seed,
+            data_parallel_size=data_parallel_size,
         )
         self.tokenizer = load_tokenizer(os.fspath(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = tuple(read_generation_eos(self.model_path, self.model_config))
-        self.runner = ModelRunner(self.model_config, params, self.engine_config, kv_dtype=_DTYPES[dtype])
+        self.runner = ModelRunner(
+            self.model_config, params, self.engine_config, kv_dtype=_DTYPES[dtype],
+            plan=ShardingPlan(mesh=self.mesh, tp=tensor_parallel_size),
+        )
         self.speculative_config = spec
         self.spec_runner, proposer = None, None
         if spec is not None:
@@ -166,7 +176,8 @@ class LLM:
             logger.info("warmup compiled %d executables in %.1fs", self.num_compiles, time.perf_counter() - start)
 
     def _build_speculation(self, spec: SpeculativeConfig, dtype: str, tensor_parallel_size: int):
-        if spec.draft_tensor_parallel_size not in (None, 1, tensor_parallel_size):
+        draft_tp = spec.draft_tensor_parallel_size
+        if draft_tp not in (None, 1, tensor_parallel_size):
             raise ValueError(
                 f"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size={tensor_parallel_size}, "
                 f"got {spec.draft_tensor_parallel_size}"
@@ -203,7 +214,10 @@ class LLM:
                 min_token_prob=spec.suffix_decoding_min_token_prob,
             )
         # method None (synthetic verification, no proposer): placeholder drafts, acceptance by the rates.
-        runner = SpecRunner(self.runner, spec, self.engine_config, draft=draft, kv_dtype=_DTYPES[dtype])
+        runner = SpecRunner(
+            self.runner, spec, self.engine_config, draft=draft, kv_dtype=_DTYPES[dtype],
+            draft_tp=tensor_parallel_size if draft_tp is None else draft_tp,
+        )
         return runner, proposer
 
     @property

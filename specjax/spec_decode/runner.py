@@ -21,6 +21,7 @@ from specjax.config import EngineConfig, SpeculativeConfig, bucket_for
 from specjax.engine import ModelRunner, StepInputs, row_keys
 from specjax.kv_cache import KVCache
 from specjax.metrics import SpecDecodeStats
+from specjax.parallel.sharding import ShardingPlan
 from pallas_kernels.rejection import greedy_verify_reference
 from specjax.sample.rejection import conditional_acceptance_rates
 from specjax.scheduler import ScheduledRow, Scheduler
@@ -68,7 +69,9 @@ class SpecRunner:
         *,
         draft: tuple[LlamaConfig, dict] | None = None,
         kv_dtype=None,
+        draft_tp: int = 1,
     ):
+        """``draft_tp``: 1 replicates the draft on every device of the target's mesh; else the target's tp."""
         self.target = target
         self.spec = spec
         self.engine_config = engine_config
@@ -81,23 +84,39 @@ class SpecRunner:
             conditional_acceptance_rates(spec.synthetic_acceptance_rates) if method == "synthetic" else None
         )
         tcfg = target.model_config
+        rows, kv = target.plan.rows, target.kv_sharding
+        # Every batch-major argument and result is split by rows (dp); logits come back whole on each tp device.
         self.verify = CompiledBuckets(
             "verify_forward",
-            jax.jit(functools.partial(_verify_step, config=tcfg), donate_argnums=(1,)),
+            jax.jit(
+                functools.partial(_verify_step, config=tcfg), donate_argnums=(1,),
+                in_shardings=(target.param_shardings, kv, rows, rows, rows), out_shardings=(rows, kv),
+            ),
             self._verify_args,
         )
         self.sample = CompiledBuckets(
-            "verify_sample", jax.jit(functools.partial(_sample_step, method=method)), self._sample_args
+            "verify_sample",
+            jax.jit(
+                functools.partial(_sample_step, method=method),
+                in_shardings=(rows, rows, rows, rows, rows, target.plan.replicated), out_shardings=rows,
+            ),
+            self._sample_args,
         )
         # All-greedy steps (known on the host) skip the random machinery entirely: on XLA:CPU the
         # untaken branch of an in-graph cond still costs as much as the greedy pass itself.
         # Synthetic acceptance applies to greedy rows too, so it never takes this path.
         self.greedy_path = method != "synthetic"
-        self.sample_greedy = CompiledBuckets("verify_greedy", jax.jit(greedy_verify_reference), self._greedy_args)
+        self.sample_greedy = CompiledBuckets(
+            "verify_greedy", jax.jit(greedy_verify_reference, in_shardings=rows, out_shardings=rows), self._greedy_args
+        )
         self.draft_config = None
         self.draft_cache = None
         if draft is not None:
-            self.draft_config, self.draft_params = draft
+            self.draft_config, draft_params = draft
+            plan = ShardingPlan(mesh=target.plan.mesh, tp=draft_tp)
+            draft_shardings = plan.params(draft_params, self.draft_config)
+            draft_kv = plan.kv(self.draft_config)
+            self.draft_params = jax.device_put(draft_params, draft_shardings)
             self.draft_cache = KVCache.allocate(
                 num_layers=self.draft_config.num_hidden_layers,
                 num_blocks=engine_config.total_kv_blocks,
@@ -105,6 +124,7 @@ class SpecRunner:
                 num_kv_heads=self.draft_config.num_key_value_heads,
                 head_dim=self.draft_config.head_dim,
                 dtype=kv_dtype,
+                sharding=draft_kv,
             )
             # The draft's k is static (it sizes the loop and outputs): one set of buckets per k.
             self.draft_buckets = {
@@ -113,6 +133,8 @@ class SpecRunner:
                     jax.jit(
                         functools.partial(_draft_step, config=self.draft_config, k=k, probabilistic=self.probabilistic),
                         donate_argnums=(1,),
+                        in_shardings=(draft_shardings, draft_kv, rows, rows),
+                        out_shardings=(rows, rows, draft_kv),
                     ),
                     self._draft_args,
                 )
@@ -167,22 +189,37 @@ class SpecRunner:
         return sum(c.compile_seconds for c in self._all_buckets())
 
     def warmup(self) -> None:
+        """Compile every bucket, and run each once on all-padding inputs (see ``ModelRunner.warmup``)."""
         cfg = self.engine_config
         lengths = cfg.length_buckets
         for batch in cfg.row_buckets:
             for k in self.ks:
                 if k == 0:
                     continue
-                self.sample.get((batch, k))
+                self._warm(self.sample, (batch, k))
                 if self.greedy_path:
-                    self.sample_greedy.get((batch, k))
+                    self._warm(self.sample_greedy, (batch, k))
                 for length in lengths:
-                    self.verify.get((batch, length, k))
+                    _, self.target.kv_cache = self._warm(self.verify, (batch, length, k))
                     if self.has_draft_model:
-                        self._draft_exe(batch, length, k)
+                        self._warm_draft(batch, length, k)
             if 0 in self.ks and self.has_draft_model:
                 for length in lengths:
-                    self._draft_exe(batch, length, 1)
+                    self._warm_draft(batch, length, 1)
+
+    def _warm(self, buckets: CompiledBuckets, bucket):
+        """Compile ``bucket`` and run it once on its example arguments (padding: no KV is written)."""
+        args = buckets.example_args(bucket)
+        rows = self.target.plan.rows
+        # ShapeDtypeStructs (the logits) become zeros of their shape, placed like the real ones.
+        args = jax.tree.map(
+            lambda a: jax.numpy.zeros(a.shape, a.dtype, device=rows) if isinstance(a, jax.ShapeDtypeStruct) else a,
+            args,
+        )
+        return buckets.get(bucket)(*args)
+
+    def _warm_draft(self, batch: int, length: int, k: int) -> None:
+        _, _, self.draft_cache = self._warm(self.draft_buckets[k], (batch, length))
 
     # ------------------------------------------------------------ one step
 

@@ -1,0 +1,1 @@
+"""Scale-out: the sharding plan (tensor / data parallel) and multi-host initialisation."""

@@ -1,0 +1,70 @@
+"""Run by test_sharding.py in a subprocess with 8 forced host devices (XLA_FLAGS must be set before jax loads).
+
+Prints one JSON object: greedy outputs per (tp, dp, method), the shardings of
+params and caches, and the compile count of a steady-state generate.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+
+import specjax  # noqa: E402
+from specjax.buckets import count_compiles  # noqa: E402
+
+
+def spec_str(array) -> str:
+    return str(tuple(array.sharding.spec))
+
+
+def main(model_dir: str) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    prompts = [{"prompt_token_ids": [1, 5, 9, 13, 2, 7]}, {"prompt_token_ids": [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5]}]
+    sp = specjax.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    specs = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "draft_model": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2},
+        "draft_model_tp1": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2,
+                            "draft_tensor_parallel_size": 1},
+    }
+    out = {"outputs": {}, "shardings": {}, "steady_compiles": {}}
+    for tp, dp in [(1, 1), (2, 1), (4, 1), (2, 2)]:
+        for name, spec in specs.items():
+            if name == "draft_model_tp1" and tp != 2:
+                continue
+            llm = specjax.LLM(
+                model_dir, tensor_parallel_size=tp, data_parallel_size=dp, max_num_seqs=2, max_model_len=64,
+                query_buckets=(1, 16), speculative_config=spec, warmup=(tp, dp) == (2, 1),
+            )
+            with count_compiles() as c:
+                res = llm.generate(prompts, sp, use_tqdm=False)
+            key = f"tp{tp}_dp{dp}_{name}"
+            out["outputs"][key] = [r.outputs[0].token_ids for r in res]
+            if (tp, dp) == (2, 1):
+                out["steady_compiles"][key] = c.count
+                layer = llm.runner.params["layers_0"]
+                sh = {
+                    "q_proj": spec_str(layer["self_attn"]["q_proj"]["kernel"]),
+                    "k_proj": spec_str(layer["self_attn"]["k_proj"]["kernel"]),
+                    "o_proj": spec_str(layer["self_attn"]["o_proj"]["kernel"]),
+                    "gate_proj": spec_str(layer["mlp"]["gate_proj"]["kernel"]),
+                    "down_proj": spec_str(layer["mlp"]["down_proj"]["kernel"]),
+                    "embed": spec_str(llm.runner.params["embed_tokens"]["embedding"]),
+                    "norm": spec_str(llm.runner.params["norm"]["scale"]),
+                    "kv_cache": spec_str(llm.runner.kv_cache.k[0]),
+                    "num_devices": len(llm.runner.kv_cache.k[0].sharding.device_set),
+                }
+                if llm.spec_runner is not None and llm.spec_runner.has_draft_model:
+                    dl = llm.spec_runner.draft_params["layers_0"]
+                    sh["draft_q_proj"] = spec_str(dl["self_attn"]["q_proj"]["kernel"])
+                    sh["draft_kv_cache"] = spec_str(llm.spec_runner.draft_cache.k[0])
+                out["shardings"][key] = sh
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
