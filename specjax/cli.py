@@ -1,10 +1,11 @@
-"""Command line: ``specjax generate --model DIR --prompt "..."``."""
+"""Command line: ``specjax generate --model DIR --prompt "..."`` and ``specjax batch --input IN --output OUT``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -94,6 +95,110 @@ def _time_plain(args: argparse.Namespace, spec_llm, prompts: list, params, spec_
     return elapsed
 
 
+def _json_object(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if value is not None and not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+# batch flags that override the YAML config's LLM arguments when given (flag dest -> LLM keyword).
+_BATCH_LLM_FLAGS = {"model": "model", "dtype": "dtype", "max_model_len": "max_model_len",
+                    "max_num_seqs": "max_num_seqs", "seed": "seed", "speculative_config": "speculative_config"}
+
+
+def batch_llm_kwargs(args: argparse.Namespace) -> dict:
+    """LLM keyword arguments of a batch run: the --config YAML, overridden by the flags that were given."""
+    from specjax.batch import load_config
+
+    kwargs = load_config(args.config) if args.config else {}
+    for dest, key in _BATCH_LLM_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            kwargs[key] = value
+    if args.no_warmup:
+        kwargs["warmup"] = False
+    return kwargs
+
+
+def _batch_process(args: argparse.Namespace):
+    """This process's place in the job: jax.distributed when flags, environment or a TPU/Slurm/MPI launch say so."""
+    from specjax.parallel import multihost
+
+    if args.distributed is False:
+        return multihost.ProcessInfo()
+    given = any(v is not None for v in (args.coordinator_address, args.num_processes, args.process_id))
+    from_env = any(os.environ.get(k) for k in (multihost.ENV_COORDINATOR, multihost.ENV_NUM_PROCESSES,
+                                              multihost.ENV_PROCESS_ID))
+    if args.num_processes == 1:
+        return multihost.ProcessInfo(index=args.process_id or 0, count=1)
+    if args.distributed or given or from_env or multihost.cluster_detected():
+        return multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    return multihost.ProcessInfo()
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from specjax import batch
+
+    if args.merge:
+        summary = batch.merge_and_summarize(args.input, args.output, args.num_processes, summary_out=args.summary)
+        print(f"[specjax] merged {summary['num_records']} records into {args.output}", file=sys.stderr)
+        return 0
+    # Config and flag errors first, before connecting to other hosts or loading a model.
+    options = batch.BatchOptions(
+        input=args.input, output=args.output, chunk_size=args.chunk_size, max_tokens=args.max_tokens,
+        temperature=args.temperature, summary=args.summary, progress=not args.no_progress,
+    )
+    if not os.path.isfile(args.input):
+        raise ValueError(f"--input {args.input!r} is not a file")
+    llm_kwargs = batch_llm_kwargs(args)
+    process = _batch_process(args)
+    summary = batch.run_batch(options, llm_kwargs, process=process)
+    run = summary["runs"][0] if summary["runs"] else {}
+    where = args.output if process.count == 1 or process.index == 0 else batch.summary_path(
+        batch.multihost.part_path(args.output, process.index, process.count))
+    tput = summary["throughput_tokens_per_s"]
+    line = (f"[specjax] {where}: {summary['num_requests']} requests, {summary['num_errors']} errors, "
+            f"{summary['num_generated_tokens']} tokens; this run wrote {run.get('records_written', 0)} records"
+            + (f" at {tput:.1f} tokens/s" if tput else ""))
+    if summary["acceptance_rate"] is not None:
+        line += (f"; acceptance rate {summary['acceptance_rate']:.3f}, mean acceptance length "
+                 f"{summary['mean_acceptance_length']:.2f}")
+    print(line, file=sys.stderr)
+    return 0
+
+
+def _add_batch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", "-i", required=True, help="JSONL requests (OpenAI batch format or {'prompt': ...})")
+    p.add_argument("--output", "-o", required=True, help="JSONL results; rerunning the same command resumes it")
+    p.add_argument("--config", default=None, help="YAML file of LLM arguments (configs/*.yaml); flags override it")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory or builtin:<name>; default: the shipped pair with speculation")
+    p.add_argument("--speculative-config", type=_json_object, default=None, help="JSON object")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=None, help="LLM seed (also seeds lines without a seed)")
+    p.add_argument("--no-warmup", action="store_true", help="compile buckets lazily instead of up front")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="requests per LLM.generate call (default 8 x max_num_seqs); a crash redoes at most one")
+    p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens for lines without one")
+    p.add_argument("--temperature", type=float, default=None, help="default temperature for lines without one")
+    p.add_argument("--summary", default=None, help="summary JSON path (default: OUTPUT .jsonl -> .summary.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--merge", action="store_true",
+                   help="only merge OUTPUT.part-*-of-* into OUTPUT in input order (checks every line is there)")
+    mh = p.add_argument_group("multi-host (jax.distributed; default: from the environment on TPU VMs, Slurm, MPI)")
+    mh.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
+    mh.add_argument("--num-processes", type=int, default=None)
+    mh.add_argument("--process-id", type=int, default=None)
+    mh.add_argument("--distributed", action=argparse.BooleanOptionalAction, default=None,
+                    help="force jax.distributed on (JAX auto-detects the rest) or off")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding on JAX/XLA")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -111,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare-plain", action=argparse.BooleanOptionalAction, default=None,
                      help="also time plain decoding and print the speedup (default: on for the shipped pair)")
     gen.set_defaults(func=_generate)
+    bat = sub.add_parser("batch", help="run a JSONL file of requests: resumable, multi-host data parallel")
+    _add_batch_args(bat)
+    bat.set_defaults(func=_batch)
     return parser
 
 
