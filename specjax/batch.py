@@ -219,8 +219,10 @@ def default_custom_id(line: int) -> str:
     return str(line)
 
 
-def custom_id_of(text: str, line: int) -> str:
+def custom_id_of(text: str | bytes, line: int) -> str:
     """The custom_id a line's record carries, also for lines that do not parse (then the default)."""
+    if isinstance(text, bytes):
+        return default_custom_id(line)
     try:
         obj = json.loads(text)
     except ValueError:
@@ -306,7 +308,7 @@ def _check_fields(fields: Mapping[str, Any], allowed: Sequence[str], prefix: str
 
 
 def parse_line(
-    text: str,
+    text: str | bytes,
     line: int,
     *,
     chat_template: ChatTemplate | None = None,
@@ -319,6 +321,8 @@ def parse_line(
     ``base_seed`` seeds requests without a ``seed`` (:func:`line_seed`).
     """
     defaults = dict(defaults or {})
+    if isinstance(text, bytes):
+        raise ValueError(f"not valid UTF-8: {text[:60]!r}")
     try:
         obj = json.loads(text)
     except ValueError as exc:
@@ -405,12 +409,16 @@ def result_record(request: BatchRequest, output) -> dict[str, Any]:
     }
 
 
-def iter_input(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
-    """(1-based line number, text) of every non-blank input line."""
-    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-        for n, text in enumerate(f, start=1):
-            if text.strip():
-                yield n, text
+def iter_input(path: str | os.PathLike) -> Iterator[tuple[int, str | bytes]]:
+    """(1-based line number, text) of every non-blank input line; the raw bytes of a line that is not UTF-8."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield n, raw  # parse_line turns it into this line's error record
 
 
 def _iter_records(path: str, *, repair_fd: int | None = None) -> Iterator[tuple[int, str, bytes]]:

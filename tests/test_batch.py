@@ -175,7 +175,7 @@ def test_record_file_drops_a_torn_tail_and_refuses_foreign_files(tmp_path):
 
 
 def _mixed_input(path: Path) -> Path:
-    return _write_jsonl(path, [
+    _write_jsonl(path, [
         _openai("t", "/v1/completions", {"prompt": "def parse(argv):", "max_tokens": 6, "temperature": 0,
                                          "ignore_eos": True}),
         _openai("c", "/v1/chat/completions", {"messages": [{"role": "user", "content": "import os"}],
@@ -188,6 +188,9 @@ def _mixed_input(path: Path) -> Path:
         {"custom_id": "s", "prompt_token_ids": [8, 9], "max_tokens": 5, "temperature": 1.0, "ignore_eos": True},
         _openai("u", "/v1/completions", {"prompt": "x", "temperature": -2}),
     ])
+    with open(path, "ab") as f:
+        f.write(b'{"prompt": "\xff"}\n')  # not UTF-8
+    return path
 
 
 def test_job_writes_one_record_per_line_in_order_and_resumes(tmp_path, llm):
@@ -195,10 +198,11 @@ def test_job_writes_one_record_per_line_in_order_and_resumes(tmp_path, llm):
     out = tmp_path / "out.jsonl"
     summary = run_batch(BatchOptions(input=str(inp), output=str(out), chunk_size=3, progress=False), llm=llm)
     recs = _records(out)
-    assert [r["line"] for r in recs] == [1, 2, 3, 5, 6, 7, 8, 9]  # blank line 4: no record
-    assert [r["custom_id"] for r in recs] == ["t", "c", "3", "5", "oov", "long", "s", "u"]
+    assert [r["line"] for r in recs] == [1, 2, 3, 5, 6, 7, 8, 9, 10]  # blank line 4: no record
+    assert [r["custom_id"] for r in recs] == ["t", "c", "3", "5", "oov", "long", "s", "u", "10"]
     errors = {r["custom_id"]: r["error"] for r in recs if "error" in r}
-    assert set(errors) == {"3", "oov", "long", "u"}
+    assert set(errors) == {"3", "oov", "long", "u", "10"}
+    assert "not valid UTF-8" in errors["10"]["message"]
     assert errors["3"]["line"] == 3 and "invalid JSON" in errors["3"]["message"]
     assert "prompt_token_ids has ids outside [0, 4096)" in errors["oov"]["message"]
     assert "119 tokens, more than max_model_len=96" in errors["long"]["message"]
@@ -210,14 +214,14 @@ def test_job_writes_one_record_per_line_in_order_and_resumes(tmp_path, llm):
     assert ok["t"]["text"] == llm.tokenizer.decode(ok["t"]["token_ids"])
     assert set(ok["t"]["metrics"]) >= {"num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "num_spec_steps",
                                        "time_to_first_token_s", "latency_s"}
-    assert (summary["num_records"], summary["num_requests"], summary["num_errors"]) == (8, 4, 4)
+    assert (summary["num_records"], summary["num_requests"], summary["num_errors"]) == (9, 4, 5)
     assert summary["num_generated_tokens"] == 20 and summary["latency_s"]["p50"] > 0
     assert summary["throughput_tokens_per_s"] > 0 and summary["acceptance_rate"] is None
-    assert json.loads((tmp_path / "out.summary.json").read_text())["num_records"] == 8
+    assert json.loads((tmp_path / "out.summary.json").read_text())["num_records"] == 9
 
     # Rerun with nothing left: no LLM is even built (these kwargs would fail), no record is added.
     again = run_batch(BatchOptions(input=str(inp), output=str(out), progress=False), {"model": "/nonexistent"})
-    assert _records(out) == recs and again["runs"][0]["records_resumed"] == 8
+    assert _records(out) == recs and again["runs"][0]["records_resumed"] == 9
 
     # Crash mid-file: the last three records gone and a torn fragment left; resuming restores the same content,
     # sampled line included (its seed comes from its line number, not from the order requests were made).
