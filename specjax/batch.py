@@ -983,7 +983,8 @@ def run_batch(
     write_json_atomic(part_summary, summary)
     if not merge:
         return summary
-    multihost.barrier(f"specjax-batch-done:{os.path.abspath(options.output)}")
+    # Named by the output's base name: hosts may mount the shared storage at different paths.
+    multihost.barrier(f"specjax-batch-done:{os.path.basename(options.output)}")
     if process.index != 0:
         return summary
     return merge_and_summarize(options.input, options.output, process.count, summary_out=options.summary)

@@ -157,12 +157,12 @@ def _batch(args: argparse.Namespace) -> int:
     llm_kwargs = batch_llm_kwargs(args)
     process = _batch_process(args)
     summary = batch.run_batch(options, llm_kwargs, process=process)
-    run = summary["runs"][0] if summary["runs"] else {}
-    where = args.output if process.count == 1 or process.index == 0 else batch.summary_path(
-        batch.multihost.part_path(args.output, process.index, process.count))
+    # Process 0 (or the only one) reports the whole output; the others their part.
+    where = args.output if process.index == 0 else batch.multihost.part_path(args.output, process.index, process.count)
+    written = sum(r.get("records_written", 0) for r in summary["runs"])
     tput = summary["throughput_tokens_per_s"]
     line = (f"[specjax] {where}: {summary['num_requests']} requests, {summary['num_errors']} errors, "
-            f"{summary['num_generated_tokens']} tokens; this run wrote {run.get('records_written', 0)} records"
+            f"{summary['num_generated_tokens']} tokens; this run wrote {written} records"
             + (f" at {tput:.1f} tokens/s" if tput else ""))
     if summary["acceptance_rate"] is not None:
         line += (f"; acceptance rate {summary['acceptance_rate']:.3f}, mean acceptance length "
