@@ -30,7 +30,7 @@ template when it has one (``chat_template.jinja`` or ``chat_template`` in
 ``tokenizer_config.json``, rendered with jinja2 like transformers does, then
 tokenized without adding special tokens, as the template writes its own). The
 shipped pair has none (it is a code model); for it, and any tokenizer without a
-template, :data:`SIMPLE_CHAT_TEMPLATE` applies: one ``role: content`` line per
+template, :func:`render_simple_chat` applies: one ``role: content`` line per
 message, then ``assistant:``.
 
 Output, one record per non-blank input line, in input order::
@@ -43,7 +43,9 @@ Output, one record per non-blank input line, in input order::
 
 A malformed line, or a request the LLM rejects (``ValueError``: too long,
 token ids outside the vocabulary, ...), becomes an error record; the job goes
-on. Latencies are measured from the moment a request's chunk is submitted.
+on. A request whose prompt + max_tokens exceeds the LLM's max_model_len stops
+there with finish_reason "length". Latencies are measured from the moment a
+request's chunk is submitted.
 
 Crash safety. Requests run in chunks of ``chunk_size`` through
 ``LLM.generate``; after each chunk its records are appended in line order, each
@@ -54,10 +56,11 @@ truncates the torn tail, checks that every record's ``custom_id`` matches its
 input line (so a different input cannot be appended to an old output), and
 skips the lines already there: nothing is lost, nothing duplicated, and since
 records are always appended in ascending line order the file stays in input
-order (unless records are deleted by hand from its middle: those lines are then
-redone and appended at the end). At most one chunk of work is redone. Requests without a ``seed`` get one
-derived from the LLM's ``seed`` and their line number, so a resumed or
-multi-host job samples exactly what one uninterrupted run would.
+order (unless records are deleted by hand from its middle: those lines are
+then redone and appended at the end). At most one chunk of work is redone.
+Requests without a ``seed`` get one derived from the LLM's ``seed`` and their
+line number, so a resumed or multi-host job samples exactly what one
+uninterrupted run would.
 
 Multi-host (see :mod:`specjax.parallel.multihost`): process ``i`` of ``n``
 takes lines with ``(line - 1) % n == i`` and writes ``OUTPUT.part-0000i-of-0000n``
@@ -121,10 +124,6 @@ NOOP_VALUES: dict[str, tuple] = {
     "logit_bias": (None, {}),
     "suffix": (None, ""),
 }
-
-SIMPLE_CHAT_TEMPLATE = "{role}: {content}\n... per message, then 'assistant:'"
-"""What chat messages become without a tokenizer chat template (documentation; see :func:`render_simple_chat`)."""
-
 
 # --------------------------------------------------------------------------- chat templates
 
