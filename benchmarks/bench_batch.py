@@ -15,7 +15,14 @@ all prompts in one ``LLM.generate`` call (no chunks, no per-line validation, no
 records): the difference is what the job machinery costs, mostly the batch
 draining at the end of each chunk.
 
+``--tp 1 2`` repeats every configuration with ``tensor_parallel_size`` 1 and 2
+and checks that tp 2 gives the same tokens as tp 1. On CPU the extra devices
+are host-platform fakes sharing the same cores, so the tp rows test
+correctness, not speed.
+
     python benchmarks/bench_batch.py --out benchmarks/results/batch.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+        python benchmarks/bench_batch.py --tp 1 2 --max-num-seqs 8 --out benchmarks/results/batch_tp.json
 """
 
 from __future__ import annotations
@@ -111,8 +118,16 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--chunk-size", type=int, default=None, help="default: the job's (8 x max_num_seqs)")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor_parallel_size values to run")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    import jax
+
+    if max(args.tp) > len(jax.local_devices()):
+        raise SystemExit(
+            f"--tp {max(args.tp)} needs that many devices, {len(jax.local_devices())} found; on CPU run with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={max(args.tp)}"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     tmp = Path(tempfile.mkdtemp(prefix="specjax_batch_"))
@@ -130,24 +145,32 @@ def main() -> None:
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "rows": [],
     }
-    for seqs in args.max_num_seqs:
-        base = dict(model="builtin:target", max_model_len=args.max_model_len, max_num_seqs=seqs, seed=0)
-        configs = [("plain", base), (f"spec draft_model K={DEFAULT_BUILTIN_SPEC['num_speculative_tokens']}",
-                                     {**base, "speculative_config": dict(DEFAULT_BUILTIN_SPEC)})]
-        plain = None
-        for name, kwargs in configs:
-            logger.info("running %s, max_num_seqs=%d", name, seqs)
-            row = run_one(f"{name.split()[0]}_{seqs}", kwargs, input_path, tmp, args.chunk_size, prompts,
-                          args.max_tokens)
-            row.update(config=name, max_num_seqs=seqs)
-            if plain is None:
-                plain = row
-            else:
-                row["speedup_vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
-                row["identical_to_plain"] = row["token_ids"] == plain["token_ids"]
-            results["rows"].append({k: v for k, v in row.items() if k != "token_ids"})
-            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                              if k not in ("token_ids", "latency_s")}), flush=True)
+    tp1_tokens: dict[tuple[str, int], list] = {}
+    for tp in args.tp:
+        for seqs in args.max_num_seqs:
+            base = dict(model="builtin:target", max_model_len=args.max_model_len, max_num_seqs=seqs, seed=0,
+                        tensor_parallel_size=tp)
+            configs = [("plain", base), (f"spec draft_model K={DEFAULT_BUILTIN_SPEC['num_speculative_tokens']}",
+                                         {**base, "speculative_config": dict(DEFAULT_BUILTIN_SPEC)})]
+            plain = None
+            for name, kwargs in configs:
+                logger.info("running %s, max_num_seqs=%d, tp=%d", name, seqs, tp)
+                row = run_one(f"{name.split()[0]}_{seqs}_tp{tp}", kwargs, input_path, tmp, args.chunk_size, prompts,
+                              args.max_tokens)
+                row.update(config=name, max_num_seqs=seqs, tensor_parallel_size=tp)
+                if plain is None:
+                    plain = row
+                else:
+                    row["speedup_vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
+                    row["identical_to_plain"] = row["token_ids"] == plain["token_ids"]
+                key = (name, seqs)
+                if tp == args.tp[0]:
+                    tp1_tokens[key] = row["token_ids"]
+                else:
+                    row[f"identical_to_tp{args.tp[0]}"] = row["token_ids"] == tp1_tokens.get(key)
+                results["rows"].append({k: v for k, v in row.items() if k != "token_ids"})
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                                  if k not in ("token_ids", "latency_s")}), flush=True)
     print(table(results))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -596,31 +596,6 @@ def summary_path(output: str | os.PathLike) -> str:
     return stem + ".summary.json"
 
 
-def _construct_llm(llm_kwargs: Mapping[str, Any]):
-    """``LLM(**llm_kwargs)`` on this process's own devices.
-
-    After ``jax.distributed.initialize``, ``jax.devices()`` lists every host's
-    devices, and ``make_mesh`` (specjax.parallel.sharding) builds the mesh from
-    ``jax.devices()`` when given none, which on process 1+ picks another host's
-    device. Until it defaults to ``jax.local_devices()`` (as its docstring says),
-    the LLM's ``make_mesh`` is pointed at the local devices while it is built.
-    """
-    import specjax.llm as llm_module
-
-    if multihost.process_info().count == 1:
-        return llm_module.LLM(**llm_kwargs)
-    import jax
-
-    original = getattr(llm_module, "make_mesh", None)
-    if original is None or "devices" not in inspect.signature(original).parameters:
-        return llm_module.LLM(**llm_kwargs)
-    llm_module.make_mesh = functools.partial(original, devices=jax.local_devices())
-    try:
-        return llm_module.LLM(**llm_kwargs)
-    finally:
-        llm_module.make_mesh = original
-
-
 class BatchJob:
     """Run one process's share of a batch file into its record file (resuming what is there)."""
 
@@ -648,8 +623,10 @@ class BatchJob:
     @property
     def llm(self):
         if self._llm is None:
+            from specjax.llm import LLM  # jax is imported only after jax.distributed.initialize
+
             start = time.perf_counter()
-            self._llm = _construct_llm(self.llm_kwargs)
+            self._llm = LLM(**self.llm_kwargs)
             self.load_seconds = time.perf_counter() - start
         return self._llm
 
@@ -694,14 +671,7 @@ class BatchJob:
             prompt = {"prompt": request.prompt}
         else:
             prompt = {"prompt_token_ids": llm.tokenizer.encode(request.prompt, add_special_tokens=False).ids}
-        try:
-            # TODO(llm.py): a public LLM.validate_prompt would replace this private call.
-            llm._prompt_ids(prompt, 0)
-        except ValueError as exc:
-            message = str(exc)
-            for old in ("prompts[0].prompt_token_ids", "prompts[0].prompt", "prompts[0]"):
-                message = message.replace(old, request.prompt_field)
-            raise ValueError(message) from None
+        llm.validate_prompt(prompt, field=request.prompt_field, name_keys=False)
         return prompt
 
     def _generate(self, runnable: list[tuple[BatchRequest, dict]], records: dict[int, dict]) -> None:

@@ -19,6 +19,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="devices the model is split over")
     p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON object")
     p.add_argument("--no-warmup", action="store_true", help="compile buckets lazily instead of up front")
 
@@ -38,7 +39,7 @@ def _generate(args: argparse.Namespace) -> int:
     # The prompts are all known up front: compiling row buckets wider than their count would be wasted warmup.
     llm = specjax.LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=min(args.max_num_seqs, len(prompts)),
+        max_num_seqs=min(args.max_num_seqs, len(prompts)), tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed, speculative_config=args.speculative_config, warmup=not args.no_warmup,
     )
     start = time.perf_counter()
@@ -83,7 +84,8 @@ def _time_plain(args: argparse.Namespace, spec_llm, prompts: list, params, spec_
 
     plain = specjax.LLM(
         spec_llm.model_path, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=spec_llm.engine_config.max_num_seqs, seed=args.seed, warmup=not args.no_warmup,
+        max_num_seqs=spec_llm.engine_config.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed, warmup=not args.no_warmup,
     )
     start = time.perf_counter()
     outputs = plain.generate(prompts, params)
@@ -107,7 +109,8 @@ def _json_object(text: str):
 
 # batch flags that override the YAML config's LLM arguments when given (flag dest -> LLM keyword).
 _BATCH_LLM_FLAGS = {"model": "model", "dtype": "dtype", "max_model_len": "max_model_len",
-                    "max_num_seqs": "max_num_seqs", "seed": "seed", "speculative_config": "speculative_config"}
+                    "max_num_seqs": "max_num_seqs", "seed": "seed", "speculative_config": "speculative_config",
+                    "tensor_parallel_size": "tensor_parallel_size", "data_parallel_size": "data_parallel_size"}
 
 
 def batch_llm_kwargs(args: argparse.Namespace) -> dict:
@@ -180,6 +183,8 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_object, default=None, help="JSON object")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, help="tp devices per process")
+    p.add_argument("--data-parallel-size", "--dp", type=int, default=None, help="dp groups per process")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=None, help="LLM seed (also seeds lines without a seed)")
     p.add_argument("--no-warmup", action="store_true", help="compile buckets lazily instead of up front")

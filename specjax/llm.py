@@ -226,8 +226,17 @@ class LLM:
 
     # ------------------------------------------------------------------ requests
 
-    def _prompt_ids(self, prompt, index: int) -> tuple[str | None, list[int]]:
-        field = f"prompts[{index}]"
+    def validate_prompt(self, prompt, *, field: str = "prompt", name_keys: bool = True) -> list[int]:
+        """The token ids of one prompt, checked against this model; ``ValueError`` naming ``field`` otherwise.
+
+        ``prompt`` is a str, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``, as :meth:`generate`
+        takes it. With ``name_keys`` the messages name the dict key too (``field.prompt_token_ids``);
+        without, ``field`` alone names the offending value (for callers with their own field names).
+        """
+        return self._prompt_ids(prompt, field, name_keys=name_keys)[1]
+
+    def _prompt_ids(self, prompt, field: str, *, name_keys: bool = True) -> tuple[str | None, list[int]]:
+        key = (lambda k: f"{field}.{k}") if name_keys else (lambda k: field)  # noqa: E731
         if isinstance(prompt, str):
             text, ids = prompt, None
         elif isinstance(prompt, dict):
@@ -241,20 +250,20 @@ class LLM:
             raise ValueError(f"{field} must be a str or a dict, got {type(prompt).__name__}")
         if ids is None:
             if not isinstance(text, str):
-                raise ValueError(f"{field}.prompt must be a str, got {type(text).__name__}")
+                raise ValueError(f"{key('prompt')} must be a str, got {type(text).__name__}")
             if self.tokenizer is None:
                 raise ValueError(f"{field} is text but the model has no tokenizer.json; pass prompt_token_ids")
             ids = self.tokenizer.encode(text).ids
         ids_arr = np.asarray(ids)
         if ids_arr.ndim != 1 or (ids_arr.size and not np.issubdtype(ids_arr.dtype, np.integer)):
-            raise ValueError(f"{field}.prompt_token_ids must be a flat list of ints")
+            raise ValueError(f"{key('prompt_token_ids')} must be a flat list of ints")
         ids = [int(t) for t in ids_arr]
         if not ids:
             raise ValueError(f"{field} is empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if t < 0 or t >= vocab]
         if bad:
-            raise ValueError(f"{field}.prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+            raise ValueError(f"{key('prompt_token_ids')} has ids outside [0, {vocab}): {bad[:5]}")
         if len(ids) > self.engine_config.max_model_len:
             raise ValueError(
                 f"{field} has {len(ids)} tokens, more than max_model_len={self.engine_config.max_model_len}"
@@ -303,7 +312,7 @@ class LLM:
         for i, p in enumerate(params_list):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
-        parsed = [self._prompt_ids(p, i) for i, p in enumerate(prompt_list)]
+        parsed = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompt_list)]
         requests = [self._make_request(ids, params) for (_, ids), params in zip(parsed, params_list)]
         for request in requests:
             self.engine.add_request(request)

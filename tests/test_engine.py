@@ -211,3 +211,15 @@ def test_error_mid_generate_aborts_cleanly(llm, monkeypatch):
     assert not llm.engine.has_unfinished
     assert llm.engine.scheduler.blocks.num_free == llm.engine_config.total_kv_blocks
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before
+
+
+def test_validate_prompt_is_the_check_generate_applies(llm):
+    ids = _prompts(14, [5])[0]["prompt_token_ids"]
+    assert llm.validate_prompt({"prompt_token_ids": ids}) == ids
+    with pytest.raises(ValueError, match=r"^prompt\.prompt_token_ids has ids outside"):
+        llm.validate_prompt({"prompt_token_ids": [5, 128]})
+    # Callers with their own field names (specjax batch) name the value alone.
+    with pytest.raises(ValueError, match=r"^body\.prompt has ids outside"):
+        llm.validate_prompt({"prompt_token_ids": [5, 128]}, field="body.prompt", name_keys=False)
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        llm.validate_prompt({"prompt_token_ids": list(range(4, 70))})

@@ -52,7 +52,7 @@ def make_mesh(*, tensor_parallel_size: int = 1, data_parallel_size: int = 1, dev
     for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(jax.local_devices() if devices is None else devices)
     need = tensor_parallel_size * data_parallel_size
     if need > len(devices):
         raise ValueError(
