@@ -184,17 +184,20 @@ def table(results: dict) -> str:
         f"{c['num_prompts']} held-out stdlib prompts (~{c['prompt_chars']} chars), {c['max_tokens']} new tokens each, "
         f"greedy, ignore_eos; {results['model']}; {results['date']}, {results['machine']}.",
         "",
-        "| config | max_num_seqs | job tokens/s | requests/s | speedup | acceptance rate | mean acceptance length | "
+        "| config | tp | max_num_seqs | job tokens/s | requests/s | speedup | acceptance rate | mean acceptance length | "
         "latency p50 / p90 s | one generate() call tokens/s | load + compile s | identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         mal = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
         same = {True: "yes", False: "NO"}.get(r.get("identical_to_plain"), "-")
+        same_tp = {True: "yes", False: "NO"}.get(r.get("identical_to_tp1"))
+        if same_tp is not None:
+            same += f"; same as tp 1: {same_tp}"
         lat = r["latency_s"]
         lines.append(
-            f"| {r['config']} | {r['max_num_seqs']} | {r['tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | "
+            f"| {r['config']} | {r.get('tensor_parallel_size', 1)} | {r['max_num_seqs']} | {r['tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | "
             f"{r.get('speedup_vs_plain', 1.0):.2f}x | {acc} | {mal} | {lat['p50']:.2f} / {lat['p90']:.2f} | "
             f"{r['direct_generate_tokens_per_s']:.1f} | {r['load_and_compile_s']:.1f} | {same} |"
         )
