@@ -220,6 +220,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    use_heterogeneous_vocab: bool = False
+    """draft_model only: the draft has its own tokenizer; drafts come from the shared tokens (greedy)."""
 
     @classmethod
     def from_dict(cls, d: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -331,6 +333,15 @@ class SpeculativeConfig:
             _check_int("max_model_len", self.max_model_len, minimum=1)
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, minimum=1)
         _check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, minimum=0)
+        if not isinstance(self.use_heterogeneous_vocab, bool):
+            raise ValueError(f"use_heterogeneous_vocab must be a bool, got {self.use_heterogeneous_vocab!r}")
+        if self.use_heterogeneous_vocab and method != "draft_model":
+            raise ValueError(f"use_heterogeneous_vocab=True needs method='draft_model', got method={method!r}")
+        if self.use_heterogeneous_vocab and self.draft_sample_method != "greedy":
+            raise ValueError(
+                "use_heterogeneous_vocab=True drafts greedily only: draft_sample_method must be 'greedy', "
+                f"got {self.draft_sample_method!r}"
+            )
 
     def k_for_batch_size(self, batch_size: int) -> int:
         """K for a step of ``batch_size`` running rows (the dynamic-K schedule; K outside all ranges)."""

@@ -187,13 +187,19 @@ class LLM:
                 f"speculative_config.max_model_len={spec.max_model_len} is below LLM max_model_len="
                 f"{self.engine_config.max_model_len}; drafting stops at max_model_len, lower the LLM's instead"
             )
-        draft, proposer = None, None
+        draft, proposer, vocab_map = None, None, None
         if spec.method == "draft_model":
             draft_config, draft_params = load_hf_model(resolve_model(spec.model), dtype=dtype)
-            if draft_config.vocab_size != self.model_config.vocab_size:
+            if spec.use_heterogeneous_vocab:
+                from specjax.spec_decode.vocab_map import load_vocab_map
+
+                vocab_map = load_vocab_map(self.tokenizer, resolve_model(spec.model),
+                                           target_vocab_size=self.model_config.vocab_size,
+                                           draft_vocab_size=draft_config.vocab_size)
+            elif draft_config.vocab_size != self.model_config.vocab_size:
                 raise ValueError(
                     f"speculative_config.model vocab_size={draft_config.vocab_size} differs from the target's "
-                    f"{self.model_config.vocab_size} (heterogeneous vocabularies are not supported yet)"
+                    f"{self.model_config.vocab_size}; a draft with its own tokenizer needs use_heterogeneous_vocab=True"
                 )
             draft = (draft_config, draft_params)
         elif spec.method == "ngram":
@@ -216,7 +222,7 @@ class LLM:
         # method None (synthetic verification, no proposer): placeholder drafts, acceptance by the rates.
         runner = SpecRunner(
             self.runner, spec, self.engine_config, draft=draft, kv_dtype=_DTYPES[dtype],
-            draft_tp=tensor_parallel_size if draft_tp is None else draft_tp,
+            draft_tp=tensor_parallel_size if draft_tp is None else draft_tp, vocab_map=vocab_map,
         )
         return runner, proposer
 

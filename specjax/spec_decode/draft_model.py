@@ -1,4 +1,7 @@
-"""Draft-model proposer: a small LLM of the same vocabulary drafts K tokens in one jitted call.
+"""Draft-model proposer: a small LLM drafts K tokens in one jitted call.
+
+The draft shares the target's vocabulary, or maps to it through a ``vocab_map``
+(``use_heterogeneous_vocab``, see :mod:`specjax.spec_decode.vocab_map`).
 
 The draft has its own paged KV cache with the target's block size and block
 count, so the target's block tables and slot mapping address it unchanged.
@@ -64,6 +67,7 @@ def draft_propose(
     config: LlamaConfig,
     k: int,
     probabilistic: bool,
+    vocab_map: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """Catch up on ``tokens [B, C]`` then draft ``k`` tokens per row.
 
@@ -71,8 +75,26 @@ def draft_propose(
     only for draft positions that row needs. keys [B]: per-request keys; draft j
     draws from fold_in(fold_in(key, DRFT tag), j). Returns (draft ids int32 [B, K], q float32
     [B, K, V] or None, new draft cache).
+
+    vocab_map (heterogeneous vocabularies, greedy only): (target_to_draft int32 [V_target],
+    draft_to_target int32 [V_draft]) from :mod:`specjax.spec_decode.vocab_map`. ``tokens`` are then
+    target ids, consumed as their draft ids; the draft argmaxes over the shared tokens only and the
+    returned drafts are target ids.
     """
     b = tokens.shape[0]
+    shared = None
+    if vocab_map is not None:
+        if probabilistic:
+            raise ValueError("vocab_map (heterogeneous vocabularies) drafts greedily only, got probabilistic=True")
+        target_to_draft, draft_to_target = vocab_map
+        tokens = jnp.take(target_to_draft, tokens, axis=0)  # [B, C] draft ids
+        shared = draft_to_target >= 0  # [V_draft]: only tokens the target also has may be drafted
+
+    def draw(step_logits, key):  # [B, V] -> (ids [B], q [B, V] or None)
+        if shared is not None:
+            step_logits = jnp.where(shared, step_logits, -jnp.inf)
+        return draw_draft(step_logits, temperature, top_k, top_p, key, probabilistic=probabilistic)
+
     md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables)
     logits, _, draft_cache = forward(
         draft_params, tokens, positions, draft_cache, md, config=config, logits_indices=last_index[:, None]
@@ -81,7 +103,7 @@ def draft_propose(
     # ints would reuse the verifier's noise (it splits the same row key) and bias the output.
     draft_base = jax.vmap(lambda key: jax.random.fold_in(key, _DRAFT_KEY_TAG))(keys)
     draft_keys = lambda j: jax.vmap(lambda key: jax.random.fold_in(key, j))(draft_base)  # noqa: E731
-    tok, q = draw_draft(logits[:, 0], temperature, top_k, top_p, draft_keys(0), probabilistic=probabilistic)
+    tok, q = draw(logits[:, 0], draft_keys(0))
     draft_ids = jnp.zeros((b, k), jnp.int32).at[:, 0].set(tok)  # [B, K]
     vocab = logits.shape[-1]
     draft_probs = jnp.zeros((b, k, vocab), jnp.float32).at[:, 0].set(q) if probabilistic else None
@@ -94,11 +116,13 @@ def draft_propose(
         slot = slots_for_positions(block_tables, pos, (j < num_drafts)[:, None], cache.block_size)
         step_md = AttentionMetadata(slot_mapping=slot, block_tables=block_tables)
         step_logits, _, cache = forward(draft_params, prev[:, None], pos, cache, step_md, config=config)
-        tok, q = draw_draft(step_logits[:, 0], temperature, top_k, top_p, draft_keys(j), probabilistic=probabilistic)
+        tok, q = draw(step_logits[:, 0], draft_keys(j))
         draft_ids = draft_ids.at[:, j].set(tok)
         if probabilistic:
             draft_probs = draft_probs.at[:, j].set(q)
         return draft_ids, draft_probs, cache
 
     draft_ids, draft_probs, draft_cache = jax.lax.fori_loop(1, k, body, (draft_ids, draft_probs, draft_cache))
+    if vocab_map is not None:
+        draft_ids = jnp.take(draft_to_target, draft_ids, axis=0)  # [B, K] target ids (all shared: never -1)
     return draft_ids, draft_probs, draft_cache

@@ -27,14 +27,15 @@ from specjax.sample.rejection import conditional_acceptance_rates
 from specjax.scheduler import ScheduledRow, Scheduler
 from specjax.spec_decode.draft_model import draft_propose
 from specjax.spec_decode.verify import verify_forward, verify_sample
+from specjax.spec_decode.vocab_map import VocabMap
 
 
-def _draft_step(draft_params, draft_cache, inputs: StepInputs, num_drafts, *, config, k, probabilistic):
+def _draft_step(draft_params, draft_cache, inputs: StepInputs, num_drafts, vocab_map, *, config, k, probabilistic):
     keys = row_keys(inputs.seed_streams, inputs.seeds, inputs.sample_indices)
     return draft_propose(
         draft_params, draft_cache, inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_tables,
         inputs.last_index, num_drafts, inputs.temperature, inputs.top_k, inputs.top_p, keys,
-        config=config, k=k, probabilistic=probabilistic,
+        config=config, k=k, probabilistic=probabilistic, vocab_map=vocab_map,
     )
 
 
@@ -70,6 +71,7 @@ class SpecRunner:
         draft: tuple[LlamaConfig, dict] | None = None,
         kv_dtype=None,
         draft_tp: int = 1,
+        vocab_map: VocabMap | None = None,
     ):
         """``draft_tp``: 1 replicates the draft on every device of the target's mesh; else the target's tp."""
         self.target = target
@@ -117,6 +119,10 @@ class SpecRunner:
             draft_shardings = plan.params(draft_params, self.draft_config)
             draft_kv = plan.kv(self.draft_config)
             self.draft_params = jax.device_put(draft_params, draft_shardings)
+            # Heterogeneous vocabularies: the id maps go to device once, as arguments (not constants).
+            self.draft_vocab_map = (
+                None if vocab_map is None else jax.device_put(vocab_map.arrays, target.plan.replicated)
+            )
             self.draft_cache = KVCache.allocate(
                 num_layers=self.draft_config.num_hidden_layers,
                 num_blocks=engine_config.total_kv_blocks,
@@ -133,7 +139,7 @@ class SpecRunner:
                     jax.jit(
                         functools.partial(_draft_step, config=self.draft_config, k=k, probabilistic=self.probabilistic),
                         donate_argnums=(1,),
-                        in_shardings=(draft_shardings, draft_kv, rows, rows),
+                        in_shardings=(draft_shardings, draft_kv, rows, rows, target.plan.replicated),
                         out_shardings=(rows, rows, draft_kv),
                     ),
                     self._draft_args,
@@ -171,7 +177,8 @@ class SpecRunner:
 
     def _draft_args(self, bucket):
         batch, length = bucket
-        return self.draft_params, self.draft_cache, self._inputs(batch, length), np.zeros((batch,), np.int32)
+        return (self.draft_params, self.draft_cache, self._inputs(batch, length), np.zeros((batch,), np.int32),
+                self.draft_vocab_map)
 
     def _draft_exe(self, batch: int, length: int, k: int):
         return self.draft_buckets[k].get((batch, length))
@@ -227,7 +234,8 @@ class SpecRunner:
         """K = 0 step: the draft still consumes the catch-up tokens, so its KV stays in step with the target's."""
         batch, length = inputs.tokens.shape
         exe = self._draft_exe(batch, length, 1)
-        _, _, self.draft_cache = exe(self.draft_params, self.draft_cache, inputs, np.zeros((batch,), np.int32))
+        _, _, self.draft_cache = exe(self.draft_params, self.draft_cache, inputs, np.zeros((batch,), np.int32),
+                                     self.draft_vocab_map)
 
     def execute(
         self,
@@ -247,7 +255,9 @@ class SpecRunner:
         draft_probs = None
         if self.has_draft_model:
             exe = self._draft_exe(batch, length, k)
-            draft_ids, draft_probs, self.draft_cache = exe(self.draft_params, self.draft_cache, inputs, padded_drafts)
+            draft_ids, draft_probs, self.draft_cache = exe(
+                self.draft_params, self.draft_cache, inputs, padded_drafts, self.draft_vocab_map
+            )
             jax.block_until_ready(draft_ids)
         else:
             draft_ids = np.zeros((batch, k), np.int32)
