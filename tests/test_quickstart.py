@@ -1,0 +1,89 @@
+"""The README's first command works from an installed wheel, not only from the source tree.
+
+Builds a wheel from a copy of the package sources, installs it with
+``pip install --no-deps --target`` into a temporary directory, and runs the
+default ``specjax generate`` (no ``--model``: the shipped pair with speculation)
+from a working directory outside the repository with only that directory on
+``PYTHONPATH``, so the modules, the shipped weights and the tokenizer all come
+from the installed package. Dependencies (jax, tokenizers, ...) come from the
+running interpreter's environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# What the wheel is built from (pyproject's packages.find includes and readme).
+SOURCES = ("pyproject.toml", "README.md", "specjax", "models", "pallas_kernels")
+TIMEOUT_S = 300  # a hang guard only; the run's duration is recorded by benchmarks/bench_builtin.py
+
+
+def _build_and_install(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(path, src / name)
+    dist = tmp_path / "dist"
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)]
+    if importlib.util.find_spec("setuptools") is not None:
+        # The build backend is already here: no index access needed to build.
+        cmd.insert(cmd.index("--no-deps"), "--no-build-isolation")
+    subprocess.run(cmd, check=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    wheels = list(dist.glob("specjax-*.whl"))
+    assert len(wheels) == 1, wheels
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheels[0])],
+                   check=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    return site
+
+
+def _env(site: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(site)
+    env.pop("XLA_FLAGS", None)  # the default run, one CPU device
+    return env
+
+
+@pytest.mark.slow
+def test_default_generate_runs_from_installed_wheel(tmp_path):
+    site = _build_and_install(tmp_path)
+    for role in ("target", "draft"):
+        files = {p.name for p in (site / "specjax" / "builtin" / role).iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= files, (role, files)
+    run_dir = tmp_path / "cwd"  # outside the repository: the source tree is not importable from here
+    run_dir.mkdir()
+    env = _env(site)
+
+    where = subprocess.run(
+        [sys.executable, "-c",
+         "import specjax, models, specjax.builtin as b; print(specjax.__file__); print(models.__file__); "
+         "print(b.target_path()); print(b.draft_path())"],
+        cwd=run_dir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=True,
+    )
+    paths = where.stdout.split()
+    assert len(paths) == 4, where.stdout
+    for p in paths:
+        assert Path(p).resolve().is_relative_to(site.resolve()), (p, site)
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "specjax.cli", "generate", "--prompt", "def parse_args(argv):", "--max-tokens", "32"],
+        cwd=run_dir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip(), "no completion text printed"
+    assert "acceptance rate" in proc.stderr and "mean acceptance length" in proc.stderr, proc.stderr[-4000:]
+    assert "speculative draft_model" in proc.stderr, proc.stderr[-4000:]
+    assert "speculative speedup" in proc.stderr, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
