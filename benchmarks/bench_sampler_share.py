@@ -69,7 +69,7 @@ def main() -> None:
             state = {"cache": cache}
 
             def run_forward():
-                logits, state["cache"] = fwd(params, state["cache"], inputs.tokens, inputs.positions,
+                logits, _, state["cache"] = fwd(params, state["cache"], inputs.tokens, inputs.positions,
                                              inputs.slot_mapping, inputs.block_tables, inputs.last_index, drafts, num)
                 return logits
 

@@ -459,6 +459,8 @@ class Model(nn.Module):
 
     config: LlamaConfig
     param_dtype: Any = jnp.float32
+    aux_layer_ids: tuple[int, ...] = ()
+    """Layers whose output residual stream is sown into ``intermediates`` (EAGLE-3 features)."""
 
     @nn.compact
     def __call__(
@@ -481,6 +483,8 @@ class Model(nn.Module):
             )
             new_k.append(k_i)
             new_v.append(v_i)
+            if i in self.aux_layer_ids:
+                self.sow("intermediates", f"aux_{i}", x)
         hidden = RMSNorm(c.rms_norm_eps, pd, name="norm")(x)  # [B, T, D]
 
         selected = hidden  # [B, L, D] (L = T unless logits_indices)
@@ -519,6 +523,35 @@ def forward(
     donate_argnames=("kv_cache",)``.
     """
     return Model(config).apply({"params": params}, tokens, positions, kv_cache, attn_metadata, logits_indices)
+
+
+def forward_features(
+    params: Mapping[str, Any],
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_cache: KVCache,
+    attn_metadata: AttentionMetadata,
+    *,
+    config: LlamaConfig,
+    logits_indices: Optional[jax.Array] = None,
+    aux_layer_ids: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array, Optional[jax.Array], KVCache]:
+    """:func:`forward` that also returns the residual streams after ``aux_layer_ids``, concatenated.
+
+    Returns (logits, hidden [B, T, D], aux [B, T, A*D] or None, cache): what draft heads read, from the
+    same pass (no second forward).
+    """
+    model = Model(config, aux_layer_ids=tuple(aux_layer_ids))
+    if not aux_layer_ids:
+        logits, hidden, cache = model.apply({"params": params}, tokens, positions, kv_cache, attn_metadata,
+                                            logits_indices)
+        return logits, hidden, None, cache
+    (logits, hidden, cache), state = model.apply(
+        {"params": params}, tokens, positions, kv_cache, attn_metadata, logits_indices, mutable=["intermediates"]
+    )
+    inter = state["intermediates"]
+    aux = jnp.concatenate([inter[f"aux_{i}"][0] for i in aux_layer_ids], axis=-1)  # [B, T, A*D]
+    return logits, hidden, aux, cache
 
 
 def lm_head_logits(params: Mapping[str, Any], hidden: jax.Array, *, config: LlamaConfig) -> jax.Array:

@@ -224,7 +224,38 @@ def build_parser() -> argparse.ArgumentParser:
     bat = sub.add_parser("batch", help="run a JSONL file of requests: resumable, multi-host data parallel")
     _add_batch_args(bat)
     bat.set_defaults(func=_batch)
+    head = sub.add_parser("train-head", help="train an EAGLE / EAGLE-3 / MTP / Medusa draft head for a target")
+    _add_train_head_args(head)
+    head.set_defaults(func=_train_head)
     return parser
+
+
+def _add_train_head_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", required=True, choices=["eagle", "eagle3", "mtp", "medusa"])
+    p.add_argument("--target", default="builtin:target", help="target HF directory (its tokenizer reads the corpus)")
+    p.add_argument("--work", required=True, help="orbax checkpoint directory (rerunning the same command resumes)")
+    p.add_argument("--export", help="write the head directory here when done (a speculative_config model)")
+    p.add_argument("--ttt-depth", type=int, default=3, help="eagle3: training-time-test steps")
+    p.add_argument("--num-medusa-heads", type=int, default=4)
+    p.add_argument("--eval-every", type=int, default=100, help="held-out agreement every N steps")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=100)
+
+
+def _train_head(args: argparse.Namespace) -> int:
+    from specjax.train import heads as train_heads
+
+    logging.getLogger().setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
+    return train_heads.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,7 +177,6 @@ def bucket_for(value: int, buckets: Sequence[int], name: str) -> int:
 
 
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp")
-AVAILABLE_SPEC_METHODS = ("ngram", "suffix", "draft_model")
 REJECTION_METHODS = ("standard", "synthetic", "block")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
@@ -255,12 +254,8 @@ class SpeculativeConfig:
             set_("method", method)
         if method is not None and method not in SPEC_METHODS:
             raise ValueError(f"method must be one of {list(SPEC_METHODS)}, got {method!r}")
-        if method is not None and method not in AVAILABLE_SPEC_METHODS:
-            raise ValueError(
-                f"method={method!r} is not available yet; available methods: {list(AVAILABLE_SPEC_METHODS)}"
-            )
-        if method == "draft_model" and self.model is None:
-            raise ValueError("model is required for method='draft_model'")
+        if method in ("draft_model", "eagle", "eagle3", "medusa", "mtp") and self.model is None:
+            raise ValueError(f"model is required for method={method!r} (the draft's or head's directory)")
         if method in ("ngram", "suffix") and self.model is not None:
             raise ValueError(f"model must not be given for method={method!r}, got {self.model!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -365,7 +360,10 @@ def _detect_method(model: str) -> str:
     cfg_path = os.path.join(str(model), "config.json")
     if os.path.isfile(cfg_path):
         with open(cfg_path) as f:
-            arch = [a.lower() for a in json.load(f).get("architectures", [])]
+            cfg = json.load(f)
+        arch = [a.lower() for a in cfg.get("architectures", [])]
+        if "specjaxdrafthead" in arch and cfg.get("method") in SPEC_METHODS:
+            return cfg["method"]  # a head written by specjax train-head says what it is
     text = " ".join([name, *arch])
     if "eagle3" in text or "eagle-3" in text:
         return "eagle3"

@@ -236,6 +236,8 @@ class Engine:
         self.spec = spec
         self.proposer = proposer
         lookahead = spec.spec.num_speculative_tokens if spec is not None else 0
+        if spec is not None and spec.has_head:
+            lookahead *= 2  # a head's chained drafts write its KV up to K positions past the verified ones
         self.scheduler = Scheduler(config, num_lookahead_tokens=lookahead)
         self.stats = EngineStats()
         self.latency = LatencyStats()
@@ -267,11 +269,12 @@ class Engine:
                 self.spec.sync_draft(inputs)
             tokens = self.runner.run(inputs, len(rows))
             outputs = [([t], 0, 0) for t in tokens.tolist()]
+            next_drafts = None
         else:
-            outputs = self._speculate(rows, k)
+            outputs, next_drafts = self._speculate(rows, k)
         finished = []
         now = time.perf_counter()
-        for row, (new_tokens, num_drafts, accepted) in zip(rows, outputs):
+        for i, (row, (new_tokens, num_drafts, accepted)) in enumerate(zip(rows, outputs)):
             request = row.request
             computed = row.start + row.num_new
             if not row.samples:
@@ -296,12 +299,18 @@ class Engine:
             if request.finish_reason is not None:
                 finished.append(request)
                 self._release(request)
+            elif next_drafts is not None:
+                self.proposer.store(request.request_id, request.num_tokens, next_drafts[i])
         self.stats.num_finished_requests += len(finished)
         self.stats.num_steps += 1
         return finished
 
-    def _speculate(self, rows: list[ScheduledRow], k: int) -> list[tuple[list[int], int, int]]:
-        """Draft (host or device), verify and sample; per row (new tokens, drafts verified, drafts accepted)."""
+    def _speculate(self, rows: list[ScheduledRow], k: int) -> tuple[list[tuple[list[int], int, int]], np.ndarray | None]:
+        """Draft (host or device), verify and sample.
+
+        Returns per row (new tokens, drafts verified, drafts accepted), and a head's drafts for the next
+        step (int32 [rows, K]; None without a head).
+        """
         max_len = self.config.max_model_len
         # Drafts only for rows that reach their end this step, and never past max_model_len.
         caps = np.asarray(
@@ -322,12 +331,18 @@ class Engine:
                 for i, drafts in enumerate(proposals):
                     caps[i] = len(drafts)
                     host_drafts[i, : len(drafts)] = drafts
-                if not caps.any():
+                if not caps.any() and not self.spec.has_head:
                     # Nothing to verify anywhere: a plain step is the same computation on 1 token instead of K+1.
                     tokens = self.runner.run(inputs, len(rows)).tolist()
-                    return [([t] if r.samples else [], 0, 0) for r, t in zip(rows, tokens)]
-        out, accepted = self.spec.execute(rows, self.scheduler, inputs, k, caps, host_drafts)
+                    return [([t] if r.samples else [], 0, 0) for r, t in zip(rows, tokens)], None
+        next_prompt = None
+        if self.spec.has_head:
+            next_prompt = np.asarray(
+                [-1 if r.samples else r.request.token_ids(r.start + r.num_new, r.start + r.num_new + 1)[0]
+                 for r in rows], np.int32,
+            )
+        out, accepted, next_drafts = self.spec.execute(rows, self.scheduler, inputs, k, caps, host_drafts, next_prompt)
         return [
             (out[i, : accepted[i] + 1].tolist() if rows[i].samples else [], int(caps[i]), int(accepted[i]))
             for i in range(len(rows))
-        ]
+        ], next_drafts

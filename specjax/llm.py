@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.llama import LlamaConfig
+from models.heads import HEAD_METHODS, load_head
 from models.loading import load_hf_model, load_tokenizer, read_generation_eos
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specjax.engine import Engine, ModelRunner
@@ -219,9 +220,20 @@ class LLM:
                 max_spec_factor=spec.suffix_decoding_max_spec_factor,
                 min_token_prob=spec.suffix_decoding_min_token_prob,
             )
+        head = None
+        if spec.method in HEAD_METHODS:
+            from specjax.spec_decode.heads import HeadProposer
+
+            head_config, head_params = load_head(resolve_model(spec.model), dtype=_DTYPES[dtype])
+            if head_config.method != spec.method:
+                raise ValueError(
+                    f"speculative_config.model {spec.model!r} is a {head_config.method} head, but method={spec.method!r}"
+                )
+            head = (head_config, head_params)
+            proposer = HeadProposer()
         # method None (synthetic verification, no proposer): placeholder drafts, acceptance by the rates.
         runner = SpecRunner(
-            self.runner, spec, self.engine_config, draft=draft, kv_dtype=_DTYPES[dtype],
+            self.runner, spec, self.engine_config, draft=draft, head=head, kv_dtype=_DTYPES[dtype],
             draft_tp=tensor_parallel_size if draft_tp is None else draft_tp, vocab_map=vocab_map,
         )
         return runner, proposer

@@ -203,3 +203,22 @@ def test_distill_step_reduces_loss():
         params, opt, m = step(params, opt, batch, teacher)
         losses.append(float(m["kl"]))
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
+
+
+def test_stop_at_step_cut_and_resume_are_reproducible(tmp_path):
+    """A run cut by stop_at_step, then resumed, ends exactly where an uncut run of the same schedule ends."""
+    cfg = _tiny_config(tie_word_embeddings=True)
+    stream = np.random.default_rng(1).integers(0, cfg.vocab_size, 2000).astype(np.uint16)
+    kw = dict(steps=6, warmup_steps=1, batch_size=2, seq_len=8, lr=3e-3, ckpt_every=100, log_every=100)
+    full, stats = lm.train_loop(cfg, lm.TrainConfig(**kw), stream, tmp_path / "full")
+    assert stats["steps_done"] == 6 and not stats["stopped_early"]
+    cut, stats = lm.train_loop(cfg, lm.TrainConfig(**kw, stop_at_step=4), stream, tmp_path / "cut")
+    assert stats["steps_done"] == 4 and stats["stopped_early"]
+    again, stats = lm.train_loop(cfg, lm.TrainConfig(**kw, stop_at_step=4), stream, tmp_path / "cut")
+    assert stats["steps_done"] == 4  # resuming at the cut trains nothing more
+    resumed, stats = lm.train_loop(cfg, lm.TrainConfig(**kw), stream, tmp_path / "cut")
+    assert stats["steps_done"] == 6
+    jax.tree.map(np.testing.assert_array_equal, full, resumed)
+    assert not np.array_equal(np.asarray(jax.tree.leaves(cut)[0]), np.asarray(jax.tree.leaves(full)[0]))
+    with pytest.raises(ValueError, match="stop_at_step"):
+        lm.TrainConfig(stop_at_step=-1)

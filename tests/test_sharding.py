@@ -111,8 +111,8 @@ def tp_run(tmp_path_factory):
 
 def test_tp_and_dp_give_identical_greedy_outputs(tp_run):
     outputs = tp_run["outputs"]
-    # tp in {1, 2, 4} (4 > 2 KV heads: the replicate fallback), dp = 2, each plain / ngram / draft_model.
-    assert len(outputs) == 14
+    # tp in {1, 2, 4} (4 > 2 KV heads: the replicate fallback), dp = 2, each plain / eagle3 / ngram / draft_model.
+    assert len(outputs) == 18
     reference = outputs["tp1_dp1_plain"]
     assert all(len(o) == 12 for o in reference)
     for key, out in outputs.items():
@@ -126,7 +126,8 @@ def test_shardings_follow_the_plan(tp_run):
         "gate_proj": "(None, 'tp')", "down_proj": "('tp', None)", "embed": "('tp', None)", "norm": "()",
         "kv_cache": "(None, 'tp', None)", "num_devices": 2,
     }
-    for key in ("tp2_dp1_plain", "tp2_dp1_ngram", "tp2_dp1_draft_model", "tp2_dp1_draft_model_tp1"):
+    for key in ("tp2_dp1_plain", "tp2_dp1_eagle3", "tp2_dp1_ngram", "tp2_dp1_draft_model",
+                "tp2_dp1_draft_model_tp1"):
         assert {k: sh[key][k] for k in expected} == expected, key
     # The draft gets the same plan: split with the target by default, whole on every device at draft tp 1.
     assert sh["tp2_dp1_draft_model"]["draft_q_proj"] == "(None, 'tp', None)"
@@ -137,5 +138,6 @@ def test_shardings_follow_the_plan(tp_run):
 
 def test_sharded_steady_state_compiles_nothing(tp_run):
     assert tp_run["steady_compiles"] == {
-        "tp2_dp1_plain": 0, "tp2_dp1_ngram": 0, "tp2_dp1_draft_model": 0, "tp2_dp1_draft_model_tp1": 0
+        "tp2_dp1_plain": 0, "tp2_dp1_eagle3": 0, "tp2_dp1_ngram": 0, "tp2_dp1_draft_model": 0,
+        "tp2_dp1_draft_model_tp1": 0,
     }

@@ -244,7 +244,7 @@ def test_metrics_vllm_vectors():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min"),
     ({"method": "foo", "num_speculative_tokens": 2}, "method"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "available methods"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "model is required"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 3}, "draft_tensor_parallel_size"),
@@ -280,8 +280,10 @@ def test_draft_vocab_must_match(tmp_path, target_dir):
 
 def test_method_auto_detection(tmp_path):
     assert SpeculativeConfig(model=str(tmp_path / "tiny-draft"), num_speculative_tokens=2).method == "draft_model"
-    with pytest.raises(ValueError, match="not available yet"):
-        SpeculativeConfig(model=str(tmp_path / "EAGLE3-llama"), num_speculative_tokens=2)
+    assert SpeculativeConfig(model=str(tmp_path / "EAGLE3-llama"), num_speculative_tokens=2).method == "eagle3"
+    assert SpeculativeConfig(model=str(tmp_path / "medusa-heads"), num_speculative_tokens=2).method == "medusa"
+    with pytest.raises(ValueError, match="model is required for method='eagle'"):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=2)
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)
     assert cfg.prompt_lookup_min == cfg.prompt_lookup_max == 3
 

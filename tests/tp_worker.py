@@ -7,6 +7,7 @@ params and caches, and the compile count of a steady-state generate.
 import json
 import os
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
@@ -24,8 +25,15 @@ def main(model_dir: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     prompts = [{"prompt_token_ids": [1, 5, 9, 13, 2, 7]}, {"prompt_token_ids": [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5]}]
     sp = specjax.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    from models.heads import HeadConfig, init_head_params, save_head
+    from models.loading import load_hf_model
+
+    # An EAGLE-3 head (random; replicated under any tp) reading the target's aux layers through sharded verify.
+    head = HeadConfig.for_target("eagle3", load_hf_model(model_dir)[0])
+    head_dir = save_head(tempfile.mkdtemp(), head, init_head_params(head, jax.random.key(0)), dtype="float32")
     specs = {
         "plain": None,
+        "eagle3": {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 2},
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
         "draft_model": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2},
         "draft_model_tp1": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2,

@@ -1,8 +1,10 @@
-"""The built-in model pair: a small Llama target and its distilled draft, trained on the stdlib's source.
+"""The built-in models: a small Llama target, its distilled draft and four draft heads, trained on the stdlib.
 
-Both are Hugging Face-format directories (config.json, bf16 model.safetensors,
-tokenizer.json) shipped as package data; ``specjax/train/README.md`` records how
-they were trained and their held-out numbers.
+target and draft are Hugging Face-format directories (config.json, bf16
+model.safetensors, tokenizer.json); eagle, eagle3, mtp and medusa are draft
+heads for the target (``models.heads`` format, written by ``specjax
+train-head``). All ship as package data and resolve as ``builtin:<name>``;
+``specjax/train/README.md`` records how they were trained and their numbers.
 """
 
 from __future__ import annotations

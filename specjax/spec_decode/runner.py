@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from models.heads import HeadConfig
 from models.llama import LlamaConfig
 from specjax.buckets import CompiledBuckets
 from specjax.config import EngineConfig, SpeculativeConfig, bucket_for
@@ -26,6 +27,7 @@ from pallas_kernels.rejection import greedy_verify_reference
 from specjax.sample.rejection import conditional_acceptance_rates
 from specjax.scheduler import ScheduledRow, Scheduler
 from specjax.spec_decode.draft_model import draft_propose
+from specjax.spec_decode.heads import head_propose
 from specjax.spec_decode.verify import verify_forward, verify_sample
 from specjax.spec_decode.vocab_map import VocabMap
 
@@ -39,10 +41,21 @@ def _draft_step(draft_params, draft_cache, inputs: StepInputs, num_drafts, vocab
     )
 
 
-def _verify_step(params, kv_cache, inputs: StepInputs, draft_ids, num_drafts, *, config):
-    return verify_forward(
+def _verify_step(params, kv_cache, inputs: StepInputs, draft_ids, num_drafts, *, config, features=None,
+                 aux_layer_ids=()):
+    logits, feats, kv_cache = verify_forward(
         params, kv_cache, inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_tables,
-        inputs.last_index, draft_ids, num_drafts, config=config,
+        inputs.last_index, draft_ids, num_drafts, config=config, features=features, aux_layer_ids=aux_layer_ids,
+    )
+    return (logits, kv_cache) if features is None else (logits, feats, kv_cache)
+
+
+def _head_step(head_params, target_params, head_cache, features, inputs: StepInputs, draft_ids, num_drafts,
+               out_tokens, accepted, next_prompt, *, config, target_config, num_out):
+    return head_propose(
+        head_params, target_params, head_cache, features, inputs.tokens, inputs.positions, inputs.slot_mapping,
+        inputs.block_tables, inputs.last_index, draft_ids, num_drafts, out_tokens, accepted, next_prompt,
+        config=config, target_config=target_config, num_out=num_out,
     )
 
 
@@ -69,15 +82,22 @@ class SpecRunner:
         engine_config: EngineConfig,
         *,
         draft: tuple[LlamaConfig, dict] | None = None,
+        head: tuple[HeadConfig, dict] | None = None,
         kv_dtype=None,
         draft_tp: int = 1,
         vocab_map: VocabMap | None = None,
     ):
-        """``draft_tp``: 1 replicates the draft on every device of the target's mesh; else the target's tp."""
+        """``draft_tp``: 1 replicates the draft on every device of the target's mesh; else the target's tp.
+
+        ``head``: a draft head (EAGLE/EAGLE-3/MTP/Medusa) that drafts at the end of each step from the
+        verify pass's features; heads are small and replicated on every device.
+        """
         self.target = target
         self.spec = spec
         self.engine_config = engine_config
-        self.k_table = spec.k_table(engine_config.max_num_seqs)
+        self.head_config = head[0] if head is not None else None
+        # A head's cache must see every step's window, so head methods never take the plain (K = 0) step.
+        self.k_table = tuple(max(k, 1) if head is not None else k for k in spec.k_table(engine_config.max_num_seqs))
         self.ks = sorted(set(self.k_table[1:]))
         self.stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.probabilistic = spec.draft_sample_method == "probabilistic" and draft is not None
@@ -87,12 +107,18 @@ class SpecRunner:
         )
         tcfg = target.model_config
         rows, kv = target.plan.rows, target.kv_sharding
+        features = None
+        if head is not None:
+            features = "aux" if self.head_config.method == "eagle3" else "hidden"
         # Every batch-major argument and result is split by rows (dp); logits come back whole on each tp device.
         self.verify = CompiledBuckets(
             "verify_forward",
             jax.jit(
-                functools.partial(_verify_step, config=tcfg), donate_argnums=(1,),
-                in_shardings=(target.param_shardings, kv, rows, rows, rows), out_shardings=(rows, kv),
+                functools.partial(_verify_step, config=tcfg, features=features,
+                                  aux_layer_ids=self.head_config.aux_layer_ids if head is not None else ()),
+                donate_argnums=(1,),
+                in_shardings=(target.param_shardings, kv, rows, rows, rows),
+                out_shardings=(rows, kv) if head is None else (rows, rows, kv),
             ),
             self._verify_args,
         )
@@ -146,6 +172,35 @@ class SpecRunner:
                 )
                 for k in {max(k, 1) for k in self.ks}
             }
+        self.head_cache = None
+        if head is not None:
+            hcfg, head_params = head
+            hcfg.check_target(tcfg)
+            if hcfg.method == "medusa" and spec.num_speculative_tokens > hcfg.num_medusa_heads:
+                raise ValueError(
+                    f"num_speculative_tokens={spec.num_speculative_tokens} exceeds the Medusa head count "
+                    f"{hcfg.num_medusa_heads}"
+                )
+            replicated = target.plan.replicated
+            self.head_params = jax.device_put(head_params, replicated)
+            if hcfg.is_fusion:
+                self.head_cache = KVCache.allocate(
+                    num_layers=1, num_blocks=engine_config.total_kv_blocks, block_size=engine_config.block_size,
+                    num_kv_heads=hcfg.num_key_value_heads, head_dim=hcfg.head_dim, dtype=kv_dtype,
+                    sharding=replicated,
+                )
+            self.head_buckets = CompiledBuckets(
+                "head_propose",
+                jax.jit(
+                    functools.partial(_head_step, config=hcfg, target_config=tcfg,
+                                      num_out=spec.num_speculative_tokens),
+                    donate_argnums=(2,),
+                    in_shardings=(replicated, target.param_shardings, replicated, rows, rows, rows, rows, rows, rows,
+                                  rows),
+                    out_shardings=(rows, replicated),
+                ),
+                self._head_args,
+            )
 
     # ------------------------------------------------------------ compile plumbing
 
@@ -180,11 +235,26 @@ class SpecRunner:
         return (self.draft_params, self.draft_cache, self._inputs(batch, length), np.zeros((batch,), np.int32),
                 self.draft_vocab_map)
 
+    def _head_args(self, bucket):
+        batch, length, k = bucket
+        dtype = jax.tree.leaves(self.target.params)[0].dtype
+        feats = jax.ShapeDtypeStruct((batch, length + k, self.head_config.feature_size), dtype)
+        ids = np.zeros((batch, k), np.int32)
+        out = np.zeros((batch, k + 1), np.int32)
+        return (self.head_params, self.target.params, self.head_cache, feats, self._inputs(batch, length), ids,
+                ids[:, 0], out, out[:, 0], np.full((batch,), -1, np.int32))
+
+    @property
+    def has_head(self) -> bool:
+        return self.head_config is not None
+
     def _draft_exe(self, batch: int, length: int, k: int):
         return self.draft_buckets[k].get((batch, length))
 
     def _all_buckets(self) -> list[CompiledBuckets]:
         out = [self.verify, self.sample, self.sample_greedy]
+        if self.has_head:
+            out.append(self.head_buckets)
         return out + list(self.draft_buckets.values()) if self.has_draft_model else out
 
     @property
@@ -207,7 +277,9 @@ class SpecRunner:
                 if self.greedy_path:
                     self._warm(self.sample_greedy, (batch, k))
                 for length in lengths:
-                    _, self.target.kv_cache = self._warm(self.verify, (batch, length, k))
+                    *_, self.target.kv_cache = self._warm(self.verify, (batch, length, k))
+                    if self.has_head:
+                        _, self.head_cache = self._warm(self.head_buckets, (batch, length, k))
                     if self.has_draft_model:
                         self._warm_draft(batch, length, k)
             if 0 in self.ks and self.has_draft_model:
@@ -245,8 +317,14 @@ class SpecRunner:
         k: int,
         num_drafts: np.ndarray,
         host_drafts: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Verify drafts for ``rows``; returns (output ids int32 [n, K+1] with -1 tail, accepted counts [n])."""
+        next_prompt: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Verify drafts for ``rows``.
+
+        Returns (output ids int32 [n, K+1] with -1 tail, accepted counts [n], and with a head the next
+        step's drafts int32 [n, num_speculative_tokens], else None). ``next_prompt`` int32 [n] (heads):
+        the prompt token after this step's chunk for rows still prefilling, -1 for rows that sample.
+        """
         batch, length = inputs.tokens.shape
         n = len(rows)
         padded_drafts = np.zeros((batch,), np.int32)
@@ -263,9 +341,15 @@ class SpecRunner:
             draft_ids = np.zeros((batch, k), np.int32)
             draft_ids[:n] = host_drafts
         t_draft = time.perf_counter()
-        logits, self.target.kv_cache = self.verify.get((batch, length, k))(
-            self.target.params, self.target.kv_cache, inputs, draft_ids, padded_drafts
-        )
+        feats = None
+        if self.has_head:
+            logits, feats, self.target.kv_cache = self.verify.get((batch, length, k))(
+                self.target.params, self.target.kv_cache, inputs, draft_ids, padded_drafts
+            )
+        else:
+            logits, self.target.kv_cache = self.verify.get((batch, length, k))(
+                self.target.params, self.target.kv_cache, inputs, draft_ids, padded_drafts
+            )
         jax.block_until_ready(logits)
         t_verify = time.perf_counter()
         if self.greedy_path and not inputs.temperature.any():
@@ -274,10 +358,22 @@ class SpecRunner:
             out, accepted = self.sample.get((batch, k))(
                 logits, draft_ids, padded_drafts, draft_probs, _row_params(inputs), self.rates
             )
+        next_drafts, head_s = None, 0.0
+        if self.has_head:
+            jax.block_until_ready(out)
+            t_sampled = time.perf_counter()
+            prompt_next = np.full((batch,), -1, np.int32)
+            prompt_next[:n] = next_prompt
+            next_drafts, self.head_cache = self.head_buckets.get((batch, length, k))(
+                self.head_params, self.target.params, self.head_cache, feats, inputs, draft_ids, padded_drafts,
+                out, accepted, prompt_next,
+            )
+            next_drafts = np.asarray(next_drafts)[:n]
+            head_s = time.perf_counter() - t_sampled  # the head drafts (for the next step): drafting time
         out, accepted = np.asarray(out)[:n], np.asarray(accepted)[:n]
         t_sample = time.perf_counter()
-        self.stats.draft_time_s += t_draft - start
+        self.stats.draft_time_s += t_draft - start + head_s
         self.stats.verify_time_s += t_verify - t_draft
-        self.stats.sample_time_s += t_sample - t_verify
+        self.stats.sample_time_s += t_sample - t_verify - head_s
         self.stats.num_spec_steps += 1
-        return out, accepted
+        return out, accepted, next_drafts

@@ -13,10 +13,34 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.llama import LlamaConfig, forward
+from models.llama import LlamaConfig, forward_features
 from specjax.kv_cache import AttentionMetadata, KVCache
 from specjax.sample.rejection import rejection_sample_jit
 from specjax.spec_decode.draft_model import slots_for_positions
+
+
+def assemble_window(tokens, positions, slot_mapping, block_tables, last_index, draft_ids, num_drafts, block_size):
+    """Catch-up ``tokens [B, C]`` followed by each row's drafts, left-aligned in ``[B, C+K]``.
+
+    Returns (tokens, positions, slots (-1 = not written), logits indices [B, K+1]) of the window.
+    """
+    b, c = tokens.shape
+    k = draft_ids.shape[1]
+    catch_up = last_index + 1  # [B]
+    j = jnp.arange(k, dtype=jnp.int32)
+    rows = jnp.arange(b)[:, None]
+    valid = j[None, :] < num_drafts[:, None]  # [B, K]
+    draft_cols = jnp.where(valid, catch_up[:, None] + j, c + k)  # out of range = dropped
+    all_tokens = jnp.pad(tokens, ((0, 0), (0, k))).at[rows, draft_cols].set(draft_ids, mode="drop")  # [B, C+K]
+    all_positions = positions[:, :1] + jnp.arange(c + k, dtype=jnp.int32)  # [B, C+K]
+    draft_slots = slots_for_positions(
+        block_tables, jnp.take_along_axis(all_positions, jnp.minimum(draft_cols, c + k - 1), axis=1), valid,
+        block_size,
+    )  # [B, K]
+    all_slots = jnp.pad(slot_mapping, ((0, 0), (0, k)), constant_values=-1)
+    all_slots = all_slots.at[rows, draft_cols].set(draft_slots, mode="drop")  # [B, C+K]
+    logits_indices = jnp.minimum(last_index[:, None] + jnp.arange(k + 1, dtype=jnp.int32), c + k - 1)  # [B, K+1]
+    return all_tokens, all_positions, all_slots, logits_indices
 
 
 def verify_forward(
@@ -31,29 +55,25 @@ def verify_forward(
     num_drafts: jax.Array,
     *,
     config: LlamaConfig,
-) -> tuple[jax.Array, KVCache]:
-    """Target logits ``[B, K+1, V]`` for catch-up ``tokens [B, C]`` followed by ``draft_ids [B, K]``."""
-    b, c = tokens.shape
-    k = draft_ids.shape[1]
-    catch_up = last_index + 1  # [B]
-    j = jnp.arange(k, dtype=jnp.int32)
-    rows = jnp.arange(b)[:, None]
-    valid = j[None, :] < num_drafts[:, None]  # [B, K]
-    draft_cols = jnp.where(valid, catch_up[:, None] + j, c + k)  # out of range = dropped
-    all_tokens = jnp.pad(tokens, ((0, 0), (0, k))).at[rows, draft_cols].set(draft_ids, mode="drop")  # [B, C+K]
-    all_positions = positions[:, :1] + jnp.arange(c + k, dtype=jnp.int32)  # [B, C+K]
-    draft_slots = slots_for_positions(
-        block_tables, jnp.take_along_axis(all_positions, jnp.minimum(draft_cols, c + k - 1), axis=1), valid,
-        kv_cache.block_size,
-    )  # [B, K]
-    all_slots = jnp.pad(slot_mapping, ((0, 0), (0, k)), constant_values=-1)
-    all_slots = all_slots.at[rows, draft_cols].set(draft_slots, mode="drop")  # [B, C+K]
-    md = AttentionMetadata(slot_mapping=all_slots, block_tables=block_tables)
-    logits_indices = jnp.minimum(last_index[:, None] + jnp.arange(k + 1, dtype=jnp.int32), c + k - 1)  # [B, K+1]
-    logits, _, kv_cache = forward(
-        params, all_tokens, all_positions, kv_cache, md, config=config, logits_indices=logits_indices
+    features: str | None = None,
+    aux_layer_ids: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """Target logits ``[B, K+1, V]`` for catch-up ``tokens [B, C]`` followed by ``draft_ids [B, K]``.
+
+    ``features`` (for draft heads, from the same pass): ``"hidden"`` returns the final-normed hidden
+    states ``[B, C+K, D]`` of the whole window, ``"aux"`` the residual streams after ``aux_layer_ids``
+    ``[B, C+K, A*D]``; None returns None in their place.
+    """
+    all_tokens, all_positions, all_slots, logits_indices = assemble_window(
+        tokens, positions, slot_mapping, block_tables, last_index, draft_ids, num_drafts, kv_cache.block_size
     )
-    return logits, kv_cache  # [B, K+1, V]
+    md = AttentionMetadata(slot_mapping=all_slots, block_tables=block_tables)
+    logits, hidden, aux, kv_cache = forward_features(
+        params, all_tokens, all_positions, kv_cache, md, config=config, logits_indices=logits_indices,
+        aux_layer_ids=aux_layer_ids if features == "aux" else (),
+    )
+    feats = {"hidden": hidden, "aux": aux, None: None}[features]
+    return logits, feats, kv_cache  # [B, K+1, V], [B, C+K, F] | None
 
 
 def verify_sample(

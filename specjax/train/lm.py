@@ -105,9 +105,14 @@ class _DenseLayer(nn.Module):
 
 
 class TrainModel(nn.Module):
-    """Param-for-param the layout of ``models.llama.Model`` (same module names), without a KV cache."""
+    """Param-for-param the layout of ``models.llama.Model`` (same module names), without a KV cache.
+
+    Sows (when ``intermediates`` is mutable) the final-normed ``hidden`` and the residual stream after each
+    of ``aux_layer_ids``: the features draft heads train on.
+    """
 
     config: LlamaConfig
+    aux_layer_ids: tuple[int, ...] = ()
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
@@ -116,7 +121,10 @@ class TrainModel(nn.Module):
         x = embed(tokens)  # [B, T, D]
         for i in range(c.num_hidden_layers):
             x = _DenseLayer(c, name=f"layers_{i}")(x, positions)
+            if i in self.aux_layer_ids:
+                self.sow("intermediates", f"aux_{i}", x)
         hidden = RMSNorm(c.rms_norm_eps, name="norm")(x)  # [B, T, D]
+        self.sow("intermediates", "hidden", hidden)
         if c.tie_word_embeddings:
             return embed.attend(hidden)  # float32 [B, T, V]
         return LMHead(c.vocab_size, name="lm_head")(hidden)  # float32 [B, T, V]
@@ -150,6 +158,8 @@ class TrainConfig:
     """Distillation: loss = alpha * KL(teacher || student) + (1 - alpha) * CE."""
     max_minutes: float = 0.0
     """> 0: stop (checkpoint + export) after this much wall time, even mid-schedule."""
+    stop_at_step: int = 0
+    """> 0: stop (checkpoint + export) once this step is done, even mid-schedule: a reproducible cut."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "log_every", "ckpt_every"):
@@ -170,6 +180,8 @@ class TrainConfig:
             raise ValueError(f"distill_alpha must be in [0, 1], got {self.distill_alpha}")
         if self.max_minutes < 0:
             raise ValueError(f"max_minutes must be >= 0, got {self.max_minutes}")
+        if isinstance(self.stop_at_step, bool) or not isinstance(self.stop_at_step, int) or self.stop_at_step < 0:
+            raise ValueError(f"stop_at_step must be an int >= 0, got {self.stop_at_step!r}")
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -297,9 +309,10 @@ def train_loop(config: LlamaConfig, cfg: TrainConfig, stream: np.ndarray, work: 
     t_params = None if teacher is None else teacher[1]
     t0, cpu0 = time.time(), time.process_time()
     tokens_seen = 0
-    stopped_early = False
-    step = start
-    for step in range(start, cfg.steps):
+    # stop_at_step: a reproducible cut (the schedule stays that of cfg.steps); resuming past it trains nothing.
+    end = min(cfg.steps, cfg.stop_at_step) if cfg.stop_at_step else cfg.steps
+    done = start
+    for step in range(start, end):
         batch = jnp.asarray(get_batch(stream, cfg, step))
         params, opt_state, m = step_fn(params, opt_state, batch, t_params)
         tokens_seen += cfg.batch_size * cfg.seq_len
@@ -314,14 +327,11 @@ def train_loop(config: LlamaConfig, cfg: TrainConfig, stream: np.ndarray, work: 
                 raise FloatingPointError(f"loss is {m['loss']} at step {done}")
         if done % cfg.ckpt_every == 0:
             save_checkpoint(work, params, opt_state, done)
-        if cfg.max_minutes and time.time() - t0 > cfg.max_minutes * 60 and done < cfg.steps:
+        if cfg.max_minutes and time.time() - t0 > cfg.max_minutes * 60 and done < end:
             logger.warning("max_minutes=%s reached at step %d of %d: stopping early", cfg.max_minutes, done, cfg.steps)
-            save_checkpoint(work, params, opt_state, done)
-            stopped_early = True
             break
-    else:
-        done = cfg.steps
-    if start < cfg.steps:
+    stopped_early = done < cfg.steps
+    if start < done:
         save_checkpoint(work, params, opt_state, done)
     stats = {"steps_done": done, "steps_planned": cfg.steps, "stopped_early": stopped_early,
              "wall_s_this_run": round(time.time() - t0, 1), "cpu_s_this_run": round(time.process_time() - cpu0, 1),

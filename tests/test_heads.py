@@ -1,0 +1,243 @@
+"""Draft heads (EAGLE, EAGLE-3, MTP, Medusa): lossless in the engine, the drafts the dense reference gives,
+zero steady-state compiles, training (orbax resume equality) and the shipped heads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from models.heads import HEAD_METHODS, FusionHead, HeadConfig, head_hidden_to_logits, init_head_params, \
+    load_head, medusa_hidden, save_head
+from models.llama import lm_head_logits
+from models.loading import load_hf_model
+from specjax.buckets import count_compiles
+from specjax.kv_cache import AttentionMetadata, KVCache
+from specjax.spec_decode.heads import HeadProposer
+from specjax.train.heads import HeadTrainConfig, fusion_train_forward, restore_state, target_features, train_head, \
+    _manager
+from specjax.train.lm import TrainConfig, make_optimizer
+from tiny_models import make_tiny_checkpoint
+
+KW = dict(max_model_len=96, max_num_seqs=2, block_size=8, max_prefill_chunk=16)
+EOS = 3
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("target"), family="llama", num_kv_heads=2, num_layers=3,
+                                vocab_size=48, eos_token_id=EOS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_hf_model(target_dir, "float32")
+
+
+def _scaled_head(method, config, seed):
+    """A random head with weights large enough that its drafts are not float-noise ties."""
+    h = HeadConfig.for_target(method, config, **({"num_medusa_heads": 3} if method == "medusa" else {}))
+    params = init_head_params(h, jax.random.key(seed))
+    if method == "medusa":
+        keys = jax.random.split(jax.random.key(seed), h.num_medusa_heads)
+        params = {f"blocks_{i}": {"kernel": 0.3 * jax.random.normal(k, (h.hidden_size, h.hidden_size)),
+                                  "bias": jnp.zeros((h.hidden_size,))} for i, k in enumerate(keys)}
+    else:
+        params = jax.tree.map(lambda x: x * 5.0 if x.ndim > 1 else x, params)
+    return h, params
+
+
+@pytest.fixture(scope="module", params=HEAD_METHODS)
+def head_dir(request, target, tmp_path_factory):
+    h, params = _scaled_head(request.param, target[0], seed=1)
+    return save_head(tmp_path_factory.mktemp(request.param), h, params, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    return specjax.LLM(target_dir, warmup=False, **KW)
+
+
+def _prompts(seed, lengths, vocab=48):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(4, vocab, size=n).tolist()} for n in lengths]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+class _Recorder(HeadProposer):
+    """Keeps every (request, token count, drafts) the engine stores."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def store(self, request_id, num_tokens, drafts):
+        self.log.append((request_id, num_tokens, np.array(drafts)))
+        super().store(request_id, num_tokens, drafts)
+
+
+def test_greedy_equals_plain_zero_compiles_and_drafts_match_reference(target_dir, target, head_dir, plain):
+    h, hp = load_head(head_dir)
+    k = 3
+    llm = specjax.LLM(target_dir, speculative_config={"method": h.method, "model": str(head_dir),
+                                                      "num_speculative_tokens": k}, **KW)
+    rec = _Recorder()
+    llm.engine.proposer = rec
+    warm = llm.num_compiles
+    # Prompts past max_prefill_chunk (chunked prefill runs the head over every chunk), mixed batch sizes.
+    prompts = _prompts(0, [5, 37, 2, 20])
+    params = [specjax.SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=True) for i in range(4)]
+    with count_compiles() as counter:
+        got = _ids(llm.generate(prompts, params))
+        llm.generate(_prompts(1, [9, 30]), specjax.SamplingParams(temperature=0.9, max_tokens=8, seed=3))
+    assert got == _ids(plain.generate(prompts, params))
+    assert counter.count == 0 and llm.num_compiles == warm
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+    # Reference: the dense (training) forward over the final sequence. A draft stored at token count n
+    # comes from head entry n - 2 (token x_{n-1}, feature h_{n-2}); Medusa's from h_{n-2} alone.
+    t_config, t_params = target
+    rid_to_seq = {}
+    for out, p in zip(llm.generate(prompts, params), prompts):
+        rid_to_seq[out.request_id] = p["prompt_token_ids"] + out.outputs[0].token_ids
+    checked = 0
+    for rid, n, drafts in rec.log:
+        if rid not in rid_to_seq:
+            continue
+        seq = jnp.asarray(rid_to_seq[rid][:n])[None]
+        _, hidden, aux = target_features(t_params, seq, config=t_config, aux_layer_ids=h.aux_layer_ids)
+        if h.method == "medusa":
+            logits = lm_head_logits(t_params, medusa_hidden(hp, hidden[:, n - 2], config=h), config=t_config)
+            assert drafts.tolist() == np.argmax(np.asarray(logits[0]), -1)[:k].tolist()
+        else:
+            feats = aux if h.method == "eagle3" else hidden
+            outs = fusion_train_forward(hp, t_params, seq[:, 1:], feats[:, :-1], config=h, depth=1)
+            logits = head_hidden_to_logits(hp, t_params, outs[0], config=h, target_config=t_config)
+            assert int(drafts[0]) == int(np.argmax(np.asarray(logits[0, n - 2])))
+        checked += 1
+    assert checked >= 20
+
+
+def test_preemption_with_a_head_recomputes_its_cache(target_dir, target, tmp_path, plain):
+    """A preempted request re-prefills the head's KV too; stale drafts of the old state are never used."""
+    h, hp = _scaled_head("eagle", target[0], seed=4)
+    spec = {"method": "eagle", "model": str(save_head(tmp_path / "eagle", h, hp, dtype="float32")),
+            "num_speculative_tokens": 2}
+    prompts = _prompts(5, [20, 25, 30, 18])
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    small = specjax.LLM(target_dir, speculative_config=spec, warmup=False,
+                        **{**KW, "max_num_seqs": 4, "num_kv_blocks": 14})
+    assert _ids(small.generate(prompts, params)) == _ids(plain.generate(prompts, params))
+    assert small.get_metrics()["num_preemptions"] > 0
+
+
+def test_dense_training_forward_equals_paged_head(target):
+    """Depth 0 of the training forward is the engine's paged head pass on the same entries."""
+    t_config, t_params = target
+    h, hp = _scaled_head("mtp", t_config, seed=2)
+    rng = np.random.default_rng(0)
+    t = 12
+    tokens = jnp.asarray(rng.integers(4, 48, size=(2, t)), jnp.int32)
+    feats = jnp.asarray(rng.normal(size=(2, t, h.hidden_size)), jnp.float32)
+    dense = fusion_train_forward(hp, t_params, tokens, feats, config=h, depth=1)[0]
+    cache = KVCache.allocate(num_layers=1, num_blocks=4, block_size=8, num_kv_heads=h.num_key_value_heads,
+                             head_dim=h.head_dim, dtype=jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
+    tables = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    slots = tables[:, :1] * 8 + pos  # t <= 2 blocks: rows use blocks (0, 1) and (2, 3)
+    slots = jnp.where(pos < 8, slots, tables[:, 1:] * 8 + pos - 8)
+    emb = jnp.take(t_params["embed_tokens"]["embedding"], tokens, axis=0)
+    paged, _, _ = FusionHead(h).apply({"params": hp}, emb, feats, pos, cache.k[0], cache.v[0],
+                                      AttentionMetadata(slot_mapping=slots, block_tables=tables), 8)
+    np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), rtol=2e-4, atol=2e-4)
+
+
+def test_config_errors_name_the_field(target_dir, target, tmp_path):
+    t_config = target[0]
+    with pytest.raises(ValueError, match="method"):
+        HeadConfig.for_target("hydra", t_config)
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        HeadConfig.for_target("eagle", t_config, aux_layer_ids=(0,))
+    with pytest.raises(ValueError, match="num_medusa_heads"):
+        HeadConfig.for_target("medusa", t_config, num_medusa_heads=0)
+    bad = HeadConfig.for_target("eagle3", t_config, aux_layer_ids=(0, 7))
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[7\]"):
+        bad.check_target(t_config)
+    medusa = save_head(tmp_path / "medusa", *_scaled_head("medusa", t_config, 0), dtype="float32")
+    with pytest.raises(ValueError, match="exceeds the Medusa head count 3"):
+        specjax.LLM(target_dir, speculative_config={"method": "medusa", "model": str(medusa),
+                                                    "num_speculative_tokens": 4}, warmup=False, **KW)
+    with pytest.raises(ValueError, match="is a medusa head, but method='eagle'"):
+        specjax.LLM(target_dir, speculative_config={"method": "eagle", "model": str(medusa),
+                                                    "num_speculative_tokens": 2}, warmup=False, **KW)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_head(tmp_path)
+
+
+def test_orbax_resume_equals_uninterrupted_and_export_roundtrip(target, tmp_path):
+    stream = np.random.default_rng(0).integers(4, 48, size=4000).astype(np.int32)
+    cfg = TrainConfig(steps=6, batch_size=2, seq_len=16, lr=1e-2, warmup_steps=1, log_every=1, ckpt_every=2)
+    hcfg = HeadTrainConfig(method="eagle3", ttt_depth=2, eval_every=3, eval_batches=1)
+    _, full, stats = train_head(target, hcfg, cfg, stream, stream, tmp_path / "a", progress=False)
+    assert stats["steps_done"] == 6 and stats["eval"][0]["step"] == 3
+    train_head(target, hcfg, cfg, stream, stream, tmp_path / "b", progress=False, stop_after=3)
+    config, resumed, stats_b = train_head(target, hcfg, cfg, stream, stream, tmp_path / "b", progress=False)
+    assert stats_b["steps_done"] == 6
+    jax.tree.map(np.testing.assert_array_equal, full, resumed)
+    init = init_head_params(config, jax.random.key(0))
+    assert not np.array_equal(np.asarray(full["fc"]["kernel"]), np.asarray(init["fc"]["kernel"]))
+    # The orbax checkpoint restores the final params exactly; the exported directory loads back the same.
+    tx, _ = make_optimizer(cfg)
+    state, step = restore_state(_manager(tmp_path / "a"), {"params": init, "opt_state": tx.init(init)})
+    assert step == 6
+    jax.tree.map(np.testing.assert_array_equal, state["params"], full)
+    cfg_back, params_back = load_head(save_head(tmp_path / "export", config, full, dtype="float32"))
+    assert cfg_back == config
+    jax.tree.map(np.testing.assert_array_equal, params_back, jax.device_get(full))
+
+
+def test_method_is_detected_from_a_head_directory(target, tmp_path):
+    d = save_head(tmp_path / "my_head", *_scaled_head("mtp", target[0], 0), dtype="float32")
+    assert specjax.SpeculativeConfig(model=str(d), num_speculative_tokens=2).method == "mtp"
+
+
+# --------------------------------------------------------------------------- the shipped heads
+
+
+SHIPPED_KW = dict(max_model_len=160, max_num_seqs=1, max_prefill_chunk=64, query_buckets=(1, 64), warmup=False)
+SHIPPED_PARAMS = specjax.SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def shipped_plain():
+    from specjax.train import corpus
+
+    _, heldout = corpus.split_files()
+    files = [f for f in heldout if not f.startswith("encodings/")] or heldout
+    prompts = [corpus.read_text(f)[:200] for f in files[:3]]
+    plain = specjax.LLM("builtin:target", **SHIPPED_KW)
+    return prompts, _ids(plain.generate(prompts, SHIPPED_PARAMS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", HEAD_METHODS)
+def test_shipped_head_is_lossless_and_beats_an_untrained_one(method, shipped_plain):
+    prompts, expected = shipped_plain
+    params = SHIPPED_PARAMS
+    llm = specjax.LLM("builtin:target", speculative_config={"method": method, "model": f"builtin:{method}",
+                                                            "num_speculative_tokens": 3}, **SHIPPED_KW)
+    assert _ids(llm.generate(prompts, params)) == expected
+    trained = llm.get_metrics()["mean_acceptance_length"]
+    # The same engine (same executables) with the head's weights re-drawn at random: far fewer acceptances.
+    runner = llm.spec_runner
+    untrained = init_head_params(runner.head_config, jax.random.key(0))
+    runner.head_params = jax.device_put(untrained, runner.target.plan.replicated)
+    before = llm.get_metrics()
+    assert _ids(llm.generate(prompts, params)) == expected
+    after = llm.get_metrics()
+    random_len = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / (
+        after["num_drafts"] - before["num_drafts"])
+    assert trained > 2.0 and trained > random_len + 1.0, (trained, random_len)
