@@ -11,8 +11,9 @@ running interpreter's environment.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,20 @@ SOURCES = ("pyproject.toml", "README.md", "specjax", "models", "pallas_kernels")
 TIMEOUT_S = 300  # a hang guard only; the run's duration is recorded by benchmarks/bench_builtin.py
 
 
+def _version(dist: str) -> tuple[int, ...]:
+    try:
+        text = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:2])
+
+
+def _local_backend_usable() -> bool:
+    """setuptools >= 68 (pyproject's build requirement) that can write wheels (itself from 70.1, else ``wheel``)."""
+    setuptools = _version("setuptools")
+    return setuptools >= (68,) and (setuptools >= (70, 1) or _version("wheel") != ())
+
+
 def _build_and_install(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     src.mkdir()
@@ -37,7 +52,7 @@ def _build_and_install(tmp_path: Path) -> Path:
             shutil.copy2(path, src / name)
     dist = tmp_path / "dist"
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)]
-    if importlib.util.find_spec("setuptools") is not None:
+    if _local_backend_usable():
         # The build backend is already here: no index access needed to build.
         cmd.insert(cmd.index("--no-deps"), "--no-build-isolation")
     subprocess.run(cmd, check=True, timeout=TIMEOUT_S, cwd=tmp_path)
