@@ -146,7 +146,9 @@ class HeadConfig:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "HeadConfig":
         if HEAD_ARCHITECTURE not in (d.get("architectures") or []):
-            raise ValueError(f"config.json architectures must include {HEAD_ARCHITECTURE!r}, got {d.get('architectures')}")
+            raise ValueError(
+                f"config.json architectures must include {HEAD_ARCHITECTURE!r}, got {d.get('architectures')}"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: (tuple(v) if k == "aux_layer_ids" else v) for k, v in d.items() if k in names})
 
@@ -178,7 +180,7 @@ class FusionHead(nn.Module):
                                                               block_size)
 
 
-def fuse_features(params: Mapping[str, Any], features: jax.Array, *, config: HeadConfig) -> jax.Array:
+def combine_hidden_states(params: Mapping[str, Any], features: jax.Array, *, config: HeadConfig) -> jax.Array:
     """Target features [B, T, F] -> the head's feature space [B, T, D] (EAGLE-3's fc_aux; identity otherwise)."""
     if config.method == "eagle3":
         return _dense(features, params["fc_aux"]["kernel"])

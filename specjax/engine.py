@@ -305,7 +305,9 @@ class Engine:
         self.stats.num_steps += 1
         return finished
 
-    def _speculate(self, rows: list[ScheduledRow], k: int) -> tuple[list[tuple[list[int], int, int]], np.ndarray | None]:
+    def _speculate(
+        self, rows: list[ScheduledRow], k: int
+    ) -> tuple[list[tuple[list[int], int, int]], np.ndarray | None]:
         """Draft (host or device), verify and sample.
 
         Returns per row (new tokens, drafts verified, drafts accepted), and a head's drafts for the next

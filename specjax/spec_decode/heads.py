@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.heads import FusionHead, HeadConfig, fuse_features, head_hidden_to_logits, medusa_hidden
+from models.heads import FusionHead, HeadConfig, combine_hidden_states, head_hidden_to_logits, medusa_hidden
 from models.llama import LlamaConfig, lm_head_logits
 from specjax.kv_cache import AttentionMetadata, KVCache
 from specjax.sample.transforms import argmax_last
@@ -85,9 +85,10 @@ def head_propose(
     entry_ok = jnp.arange(w)[None, :] <= last[:, None]  # entries past `last` have no true next token yet
     md = AttentionMetadata(slot_mapping=jnp.where(entry_ok, win_slots, -1), block_tables=block_tables)
     head = FusionHead(config)
+    feats = combine_hidden_states(head_params, features, config=config)  # [B, W, D]
     x, k_c, v_c = head.apply(
-        {"params": head_params}, _embed(target_params, nxt), fuse_features(head_params, features, config=config),
-        win_pos, head_cache.k[0], head_cache.v[0], md, block_size,
+        {"params": head_params}, _embed(target_params, nxt), feats, win_pos, head_cache.k[0], head_cache.v[0], md,
+        block_size,
     )  # x [B, W, D]
     g = x[rows, last]  # [B, D]: head hidden of the last true entry
     draft = argmax_last(head_hidden_to_logits(head_params, target_params, g[:, None], config=config,
@@ -101,8 +102,9 @@ def head_propose(
         pos = (base + i)[:, None]  # [B, 1]: entry (d_i, g) sits one position past the previous one
         slot = slots_for_positions(block_tables, pos, pos < limit, block_size)
         step_md = AttentionMetadata(slot_mapping=slot, block_tables=block_tables)
-        x, k_c, v_c = head.apply({"params": head_params}, _embed(target_params, jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)), g[:, None],
-                                 pos, k_c, v_c, step_md, block_size)
+        prev = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1]: d_i
+        x, k_c, v_c = head.apply({"params": head_params}, _embed(target_params, prev), g[:, None], pos, k_c, v_c,
+                                 step_md, block_size)
         g = x[:, 0]
         tok = argmax_last(head_hidden_to_logits(head_params, target_params, x, config=config,
                                                 target_config=target_config)[:, 0])

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.heads import HEAD_METHODS, HeadConfig, fuse_features, head_hidden_to_logits, init_head_params, \
+from models.heads import HEAD_METHODS, HeadConfig, combine_hidden_states, head_hidden_to_logits, init_head_params, \
     medusa_hidden, save_head
 from models.llama import MLP, LlamaConfig, RMSNorm, _OutProj, _Proj, apply_rope, lm_head_logits, rope_inv_freq
 from specjax.train.lm import TrainConfig, TrainModel, get_batch, load_streams, make_optimizer
@@ -107,7 +107,7 @@ def fusion_train_forward(head_params, target_params, next_tokens, feats, *, conf
     b, t = next_tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     embeds = jnp.take(target_params["embed_tokens"]["embedding"], next_tokens, axis=0)  # [B, T, D]
-    feat = fuse_features(head_params, feats, config=config)
+    feat = combine_hidden_states(head_params, feats, config=config)
     qpos = jnp.arange(t)[:, None]
     kpos = jnp.arange(t)[None, :]
     keys, values, outs = [], [], []
