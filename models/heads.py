@@ -78,6 +78,8 @@ class HeadConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
         if self.method == "eagle3":
             if len(self.aux_layer_ids) < 1 or any(i < 0 for i in self.aux_layer_ids):
@@ -230,13 +232,14 @@ def init_head_params(config: HeadConfig, key: jax.Array, dtype=jnp.float32) -> d
 # --------------------------------------------------------------------------- files
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+def _flatten(tree: Mapping[str, Any], leaf=np.asarray, prefix: str = "") -> dict[str, Any]:
+    """Dotted names -> ``leaf(value)`` of a nested param dict."""
     out = {}
     for k, v in tree.items():
         if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(_flatten(v, leaf, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = np.asarray(v)
+            out[f"{prefix}{k}"] = leaf(v)
     return out
 
 
@@ -258,7 +261,10 @@ def save_head(path: str | Path, config: HeadConfig, params, *, dtype: str = "bfl
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+    dtypes = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    np_dtype = dtypes[dtype]
     flat = {k: np.asarray(v, np.float32).astype(np_dtype) for k, v in _flatten(jax.device_get(params)).items()}
     save_file(flat, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({**config.to_json(), "torch_dtype": dtype}, indent=2) + "\n")
@@ -284,7 +290,7 @@ def load_head(path: str | Path, dtype=np.float32) -> tuple[HeadConfig, dict]:
     flat = {k: np.asarray(v, np.float32).astype(dtype) for k, v in load_file(str(weights)).items()}
     params = _unflatten(flat)
     expected = jax.eval_shape(lambda: init_head_params(config, jax.random.key(0)))
-    want = _shapes(expected)
+    want = _flatten(expected, lambda v: tuple(v.shape))
     got = {k: v.shape for k, v in flat.items()}
     if want != got:
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
@@ -292,13 +298,3 @@ def load_head(path: str | Path, dtype=np.float32) -> tuple[HeadConfig, dict]:
         raise ValueError(f"{weights}: params do not match config.json (missing {missing}, unexpected {extra}, "
                          f"wrong shapes {wrong})")
     return config, params
-
-
-def _shapes(tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            out.update(_shapes(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = tuple(v.shape)
-    return out

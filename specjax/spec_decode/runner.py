@@ -47,7 +47,7 @@ def _verify_step(params, kv_cache, inputs: StepInputs, draft_ids, num_drafts, *,
         params, kv_cache, inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.block_tables,
         inputs.last_index, draft_ids, num_drafts, config=config, features=features, aux_layer_ids=aux_layer_ids,
     )
-    return (logits, kv_cache) if features is None else (logits, feats, kv_cache)
+    return logits, feats, kv_cache  # feats None without a head
 
 
 def _head_step(head_params, target_params, head_cache, features, inputs: StepInputs, draft_ids, num_drafts,
@@ -118,7 +118,7 @@ class SpecRunner:
                                   aux_layer_ids=self.head_config.aux_layer_ids if head is not None else ()),
                 donate_argnums=(1,),
                 in_shardings=(target.param_shardings, kv, rows, rows, rows),
-                out_shardings=(rows, kv) if head is None else (rows, rows, kv),
+                out_shardings=(rows, rows, kv),
             ),
             self._verify_args,
         )
@@ -341,15 +341,9 @@ class SpecRunner:
             draft_ids = np.zeros((batch, k), np.int32)
             draft_ids[:n] = host_drafts
         t_draft = time.perf_counter()
-        feats = None
-        if self.has_head:
-            logits, feats, self.target.kv_cache = self.verify.get((batch, length, k))(
-                self.target.params, self.target.kv_cache, inputs, draft_ids, padded_drafts
-            )
-        else:
-            logits, self.target.kv_cache = self.verify.get((batch, length, k))(
-                self.target.params, self.target.kv_cache, inputs, draft_ids, padded_drafts
-            )
+        logits, feats, self.target.kv_cache = self.verify.get((batch, length, k))(
+            self.target.params, self.target.kv_cache, inputs, draft_ids, padded_drafts
+        )
         jax.block_until_ready(logits)
         t_verify = time.perf_counter()
         if self.greedy_path and not inputs.temperature.any():

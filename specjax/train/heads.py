@@ -241,7 +241,8 @@ def train_head(target: tuple[LlamaConfig, Any], hcfg: HeadTrainConfig, cfg: Trai
     config = hcfg.head_config(t_config)
     tx, _ = make_optimizer(cfg)
     params = init_head_params(config, jax.random.key(cfg.seed))
-    state, start = restore_state(_manager(work), {"params": params, "opt_state": tx.init(params)})
+    mngr = _manager(work)
+    state, start = restore_state(mngr, {"params": params, "opt_state": tx.init(params)})
     params, opt_state = state["params"], state["opt_state"]
     loss_kw = dict(config=config, target_config=t_config, depth=hcfg.depth)
 
@@ -257,7 +258,6 @@ def train_head(target: tuple[LlamaConfig, Any], hcfg: HeadTrainConfig, cfg: Trai
         ms = [eval_fn(params, jnp.asarray(get_batch(heldout, cfg, 10**6 + i)))[1] for i in range(hcfg.eval_batches)]
         return {k: round(float(np.mean([m[k] for m in ms])), 4) for k in ms[0]}
 
-    mngr = _manager(work)
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     t0, history = time.time(), []
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc=f"train-head {hcfg.method}",
@@ -294,8 +294,10 @@ def run(args: argparse.Namespace) -> int:
                       log_every=args.log_every, ckpt_every=args.ckpt_every)
     hcfg = HeadTrainConfig(method=args.method, ttt_depth=args.ttt_depth, num_medusa_heads=args.num_medusa_heads,
                            eval_every=args.eval_every)
+    target = load_hf_model(target_dir, "float32")  # a bad --target fails here, naming the path
+    if not (Path(target_dir) / "tokenizer.json").is_file():
+        raise ValueError(f"--target {target_dir!r} has no tokenizer.json (train-head reads the corpus with it)")
     train, heldout, _ = load_streams(target_dir)
-    target = load_hf_model(target_dir, "float32")
     work = Path(args.work)
     c0 = time.process_time()
     config, params, stats = train_head(target, hcfg, cfg, train, heldout, work, progress=not args.no_progress)
