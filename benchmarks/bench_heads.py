@@ -88,7 +88,7 @@ def main() -> None:
             spec = {**METHODS[method], "num_speculative_tokens": k}
             if method == "medusa":
                 from models.heads import load_head
-                from specjax.llm import resolve_model
+                from specjax.builtin import resolve_model
 
                 heads = load_head(resolve_model("builtin:medusa"))[0].num_medusa_heads
                 if k > heads:

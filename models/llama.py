@@ -9,7 +9,7 @@ bias (Llama/Qwen3 ``attention_bias``), per-head q/k RMSNorm (Qwen3), RoPE types
 
 Attention goes through the paged KV cache (``specjax.kv_cache``): each layer
 writes the step's K/V with ``write_kv`` and then attends with
-``paged_attention``, so prefill, chunked prefill, decode and multi-token
+``specjax.attention.paged_attention``, so prefill, chunked prefill, decode and multi-token
 verification are all the same call.
 
 Param layout (``params`` is the inner dict, i.e. ``Model.init(...)["params"]``)::
@@ -45,6 +45,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax.attention import paged_attention
 
 if TYPE_CHECKING:
     from specjax.kv_cache import AttentionMetadata, KVCache
@@ -390,7 +392,7 @@ class Attention(nn.Module):
         # Write first: the query tokens of this step must see their own keys.
         kv = _kv()
         k_cache, v_cache = kv.write_kv(k_cache, v_cache, k, v, attn_metadata.slot_mapping)
-        attn = kv.paged_attention(
+        attn = paged_attention(
             q, k_cache, v_cache, positions, attn_metadata.block_tables, block_size=block_size, scale=e**-0.5
         )  # [B, T, H, E]
         out = _OutProj(c.hidden_size, c.attention_out_bias, pd, name="o_proj")(attn)  # [B, T, D]

@@ -11,14 +11,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from models.llama import LlamaConfig
 from models.heads import HEAD_METHODS, load_head
 from models.loading import load_hf_model, load_tokenizer, read_generation_eos
+from specjax.builtin import DEFAULT_SPEC, DEFAULT_TARGET, resolve_model
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specjax.engine import Engine, ModelRunner
 from specjax.parallel.sharding import ShardingPlan, make_mesh
+from specjax.prompts import as_prompt_list, parse_prompt
 from specjax.scheduler import Request
 from specjax.spec_decode.runner import SpecRunner
 
@@ -51,25 +52,6 @@ class RequestOutput:
     num_spec_steps, num_preemptions, time_to_first_token_s, latency_s."""
 
 
-BUILTIN_PREFIX = "builtin:"
-DEFAULT_BUILTIN_SPEC = {"method": "draft_model", "model": f"{BUILTIN_PREFIX}draft", "num_speculative_tokens": 4}
-
-
-def resolve_model(model: str | os.PathLike) -> str:
-    """A model directory, with ``builtin:<name>`` mapped to the directory shipped inside the package."""
-    name = os.fspath(model)
-    if not name.startswith(BUILTIN_PREFIX):
-        return name
-    from specjax import builtin
-
-    root = os.path.dirname(builtin.__file__)
-    available = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "config.json")))
-    short = name[len(BUILTIN_PREFIX):]
-    if short not in available:
-        raise ValueError(f"model={name!r}: no built-in model {short!r}; available: {available}")
-    return os.path.join(root, short)
-
-
 def _request_metrics(r: Request) -> dict[str, Any]:
     return {
         "num_draft_tokens": r.num_draft_tokens,
@@ -80,16 +62,6 @@ def _request_metrics(r: Request) -> dict[str, Any]:
         "time_to_first_token_s": r.first_token_time - r.arrival_time if r.first_token_time is not None else None,
         "latency_s": r.last_token_time - r.arrival_time,
     }
-
-
-def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
-        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-            raise ValueError("prompts: a bare list of ints is ambiguous; pass {'prompt_token_ids': [...]}")
-        return list(prompts)
-    raise ValueError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
 
 
 class LLM:
@@ -126,9 +98,9 @@ class LLM:
     ):
         if model is None:
             # The shipped pair: the trained target, verified against its distilled draft.
-            model = f"{BUILTIN_PREFIX}target"
+            model = DEFAULT_TARGET
             if speculative_config is None:
-                speculative_config = dict(DEFAULT_BUILTIN_SPEC)
+                speculative_config = dict(DEFAULT_SPEC)
         model = resolve_model(model)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -254,39 +226,8 @@ class LLM:
         return self._prompt_ids(prompt, field, name_keys=name_keys)[1]
 
     def _prompt_ids(self, prompt, field: str, *, name_keys: bool = True) -> tuple[str | None, list[int]]:
-        key = (lambda k: f"{field}.{k}") if name_keys else (lambda k: field)  # noqa: E731
-        if isinstance(prompt, str):
-            text, ids = prompt, None
-        elif isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown:
-                raise ValueError(f"{field} has unknown keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'")
-            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-            if ids is None and text is None:
-                raise ValueError(f"{field} needs 'prompt' or 'prompt_token_ids'")
-        else:
-            raise ValueError(f"{field} must be a str or a dict, got {type(prompt).__name__}")
-        if ids is None:
-            if not isinstance(text, str):
-                raise ValueError(f"{key('prompt')} must be a str, got {type(text).__name__}")
-            if self.tokenizer is None:
-                raise ValueError(f"{field} is text but the model has no tokenizer.json; pass prompt_token_ids")
-            ids = self.tokenizer.encode(text).ids
-        ids_arr = np.asarray(ids)
-        if ids_arr.ndim != 1 or (ids_arr.size and not np.issubdtype(ids_arr.dtype, np.integer)):
-            raise ValueError(f"{key('prompt_token_ids')} must be a flat list of ints")
-        ids = [int(t) for t in ids_arr]
-        if not ids:
-            raise ValueError(f"{field} is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"{key('prompt_token_ids')} has ids outside [0, {vocab}): {bad[:5]}")
-        if len(ids) > self.engine_config.max_model_len:
-            raise ValueError(
-                f"{field} has {len(ids)} tokens, more than max_model_len={self.engine_config.max_model_len}"
-            )
-        return text, ids
+        return parse_prompt(prompt, field, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
+                            max_model_len=self.engine_config.max_model_len, name_keys=name_keys)
 
     def _make_request(self, ids: list[int], params: SamplingParams) -> Request:
         n = next(self._request_counter)
@@ -316,7 +257,7 @@ class LLM:
         Every prompt is validated before any runs: a bad one raises ValueError
         naming it, and the engine is left as it was.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

@@ -1,4 +1,4 @@
-"""specjax.kv_cache: paged_attention vs the dense reference, and write_kv's -1 slots."""
+"""specjax.attention: paged_attention vs the dense reference; specjax.kv_cache: write_kv's -1 slots."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specjax.kv_cache import dense_causal_attention_reference, paged_attention, write_kv  # noqa: E402
+from specjax.attention import dense_causal_attention_reference, paged_attention  # noqa: E402
+from specjax.kv_cache import write_kv  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16

@@ -18,7 +18,7 @@ import numpy as np
 from models.heads import HeadConfig
 from models.llama import LlamaConfig
 from specjax.buckets import CompiledBuckets
-from specjax.config import EngineConfig, SpeculativeConfig, bucket_for
+from specjax.config import EngineConfig, SpeculativeConfig
 from specjax.engine import ModelRunner, StepInputs, row_keys
 from specjax.kv_cache import KVCache
 from specjax.metrics import SpecDecodeStats

@@ -286,7 +286,7 @@ def train_head(target: tuple[LlamaConfig, Any], hcfg: HeadTrainConfig, cfg: Trai
 def run(args: argparse.Namespace) -> int:
     """``specjax train-head`` (flags in specjax/cli.py)."""
     from models.loading import load_hf_model
-    from specjax.llm import resolve_model
+    from specjax.builtin import resolve_model
 
     target_dir = resolve_model(args.target)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
