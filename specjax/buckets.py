@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from specjax.xla_options import compiler_options
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,7 +37,7 @@ class CompiledBuckets:
         exe = self._compiled.get(bucket)
         if exe is None:
             start = time.perf_counter()
-            exe = self._jitted.lower(*self.example_args(bucket)).compile()
+            exe = self._jitted.lower(*self.example_args(bucket)).compile(compiler_options())
             elapsed = time.perf_counter() - start
             self.num_compiles += 1
             self.compile_seconds += elapsed

@@ -56,12 +56,10 @@ __all__ = [
 
 
 def default_use_kernel() -> bool:
-    """Pallas kernel on TPU; the jnp path (fused by XLA) elsewhere.
+    """Pallas kernel where :mod:`specjax.backends` says it is the fast path; the jnp path elsewhere."""
+    from specjax.backends import use_pallas_sampler
 
-    The kernel's blocks span the whole vocabulary, which Mosaic (TPU) accepts;
-    the Triton GPU lowering needs power-of-two block shapes, so GPUs take the XLA path.
-    """
-    return jax.default_backend() == "tpu"
+    return use_pallas_sampler()
 
 
 def row_keys(key, batch: int) -> jax.Array:
