@@ -134,10 +134,18 @@ def sample_tokens(
     return jnp.where(temperature > 0, sampled, greedy)
 
 
-def request_keys(base_key: jax.Array, seeds: jax.Array, step_indices: jax.Array) -> jax.Array:
-    """Per-request keys ``fold_in(fold_in(base_key, seed), step_index)`` for ``[B]`` seeds and steps.
+def request_keys(
+    base_key: jax.Array, seeds: jax.Array, step_indices: jax.Array, streams: jax.Array | None = None
+) -> jax.Array:
+    """Per-request keys ``fold_in(fold_in(base_key', seed), step_index)`` for ``[B]`` seeds and steps.
 
-    step_index is the request's own output position (not the engine step), so a
-    preempted-and-recomputed request, or one batched differently, draws the same noise.
+    ``base_key' = fold_in(base_key, stream)`` per row when ``streams [B]`` is given (the engine keeps
+    user seeds and engine-derived seeds on separate streams), else ``base_key``. step_index is the
+    request's own output position (not the engine step), so a preempted-and-recomputed request, or
+    one batched differently, draws the same noise.
     """
-    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base_key, s), i))(seeds, step_indices)
+    if streams is None:
+        return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base_key, s), i))(seeds, step_indices)
+    return jax.vmap(
+        lambda st, s, i: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base_key, st), s), i)
+    )(streams, seeds, step_indices)
