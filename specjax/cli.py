@@ -20,8 +20,71 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="devices the model is split over")
-    p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON object")
+    _add_speculative_args(p)
     p.add_argument("--no-warmup", action="store_true", help="compile buckets lazily instead of up front")
+
+
+# vLLM's one-field speculative flags: argparse dest -> (flag, speculative_config field).
+_SPEC_FLAGS = {
+    "draft_model": ("--draft-model", "model"),
+    "speculative_method": ("--speculative-method", "method"),
+    "num_speculative_tokens": ("--num-speculative-tokens", "num_speculative_tokens"),
+    "ngram_prompt_lookup_max": ("--ngram-prompt-lookup-max", "prompt_lookup_max"),
+    "ngram_prompt_lookup_min": ("--ngram-prompt-lookup-min", "prompt_lookup_min"),
+}
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "speculative decoding",
+        "--speculative-config takes the whole config as JSON; the other flags are vLLM's spellings of one field "
+        "each. --draft-model or --speculative-method start a new config; --num-speculative-tokens and "
+        "--ngram-prompt-lookup-* alone adjust the one in use (the --config file's, or the shipped pair's).",
+    )
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='JSON object of SpeculativeConfig fields, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--draft-model", "--speculative-model", dest="draft_model", default=None,
+                   help="draft model or head directory (speculative_config.model; '[ngram]' means method ngram)")
+    g.add_argument("--speculative-method", default=None,
+                   help="ngram, suffix, draft_model, eagle, eagle3, mtp, medusa (speculative_config.method)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (K)")
+    g.add_argument("--ngram-prompt-lookup-max", type=int, default=None, help="longest n-gram matched (ngram)")
+    g.add_argument("--ngram-prompt-lookup-min", type=int, default=None, help="shortest n-gram matched (ngram)")
+
+
+def speculative_config_from_args(args: argparse.Namespace, base: dict | None = None) -> dict | None:
+    """The speculative_config the flags give: ``--speculative-config`` and vLLM's one-field flags, merged.
+
+    A field given both ways with different values is a ValueError naming both. ``base`` is the config in use
+    without flags (the --config file's, or the shipped pair's); the one-field flags refine it, unless they
+    name the method or the draft model, which starts a new config.
+    """
+    given = {field: (flag, getattr(args, dest)) for dest, (flag, field) in _SPEC_FLAGS.items()
+             if getattr(args, dest, None) is not None}
+    whole = getattr(args, "speculative_config", None)
+    if given.get("model", (None, None))[1] == "[ngram]":  # older vLLM's spelling of the ngram proposer
+        given.pop("model")
+        if given.get("method", ("", "ngram"))[1] != "ngram":
+            raise ValueError(f"--draft-model [ngram] conflicts with --speculative-method {given['method'][1]}")
+        given["method"] = ("--draft-model [ngram]", "ngram")
+    if not given:
+        return whole if whole is not None else base
+    if whole is not None:
+        for field, (flag, value) in given.items():
+            if field in whole and whole[field] != value:
+                raise ValueError(f"{flag} {value} conflicts with --speculative-config's {field}={whole[field]!r}; "
+                                 "give the field one way")
+        config = dict(whole)
+    elif "method" in given or "model" in given or base is None:
+        config = {}
+    else:
+        config = dict(base)
+    config.update({field: value for field, (_, value) in given.items()})
+    if "method" not in config and "model" not in config and config.get("rejection_sample_method") != "synthetic":
+        flags = ", ".join(flag for flag, _ in given.values())
+        raise ValueError(f"{flags} needs a speculative method: add --speculative-method, --draft-model or "
+                         "--speculative-config")
+    return config
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -29,7 +92,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompts: list = list(args.prompt or [])
     for ids in args.prompt_token_ids or []:
-        prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",")]})
+        try:
+            prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",")]})
+        except ValueError:
+            raise ValueError(f"--prompt-token-ids must be comma-separated ints, got {ids!r}") from None
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-token-ids")
     params = specjax.SamplingParams(
@@ -40,7 +106,8 @@ def _generate(args: argparse.Namespace) -> int:
     llm = specjax.LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=min(args.max_num_seqs, len(prompts)), tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed, speculative_config=args.speculative_config, warmup=not args.no_warmup,
+        seed=args.seed, warmup=not args.no_warmup,
+        speculative_config=speculative_config_from_args(args, _builtin_spec() if args.model is None else None),
     )
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -56,19 +123,16 @@ def _generate(args: argparse.Namespace) -> int:
         text = completion.text if llm.tokenizer is not None else " ".join(map(str, completion.token_ids))
         print(text)
     metrics = llm.get_metrics()
-    if "acceptance_rate" in metrics:
-        print(
-            f"[specjax] speculative {llm.speculative_config.method or 'synthetic'}: acceptance rate "
-            f"{metrics['acceptance_rate']:.3f}, mean acceptance length {metrics['mean_acceptance_length']:.2f}, "
-            f"accepted per position {metrics['accepted_per_position']}",
-            file=sys.stderr,
-        )
-    print(
-        f"[specjax] {len(outputs)} prompts, {n_tokens} tokens in {elapsed:.2f}s "
-        f"({n_tokens / elapsed:.1f} tokens/s); compiles: {metrics['num_compiles']} "
-        f"({metrics['compile_seconds']:.1f}s)",
-        file=sys.stderr,
-    )
+    method = _speculative_method(llm)
+    if method is not None:
+        report = speculation_report(method, metrics)
+        if metrics.get("accepted_per_position") and metrics.get("num_draft_tokens"):
+            report += f", accepted per position {metrics['accepted_per_position']}"
+        print(f"[specjax] {report}", file=sys.stderr)
+    line = f"[specjax] {len(outputs)} prompts, {n_tokens} tokens in {elapsed:.2f}s ({n_tokens / elapsed:.1f} tokens/s)"
+    if "num_compiles" in metrics:
+        line += f"; compiles: {metrics['num_compiles']} ({metrics.get('compile_seconds', 0.0):.1f}s)"
+    print(line, file=sys.stderr)
     if plain_elapsed is not None:
         print(
             f"[specjax] plain decoding of the same prompts took {plain_elapsed:.2f}s: speculative speedup "
@@ -76,6 +140,40 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _builtin_spec() -> dict:
+    from specjax.builtin import DEFAULT_SPEC
+
+    return dict(DEFAULT_SPEC)
+
+
+def _speculative_method(llm) -> str | None:
+    spec = getattr(llm, "speculative_config", None)
+    return None if spec is None else (getattr(spec, "method", None) or "synthetic")
+
+
+def speculation_report(method: str, metrics) -> str:
+    """How speculation went, from ``LLM.get_metrics()``-style numbers (missing keys are left out).
+
+    Says how many steps verified drafts and how many had none; acceptance only when something was drafted
+    (an acceptance rate of 0 over nothing drafted reads as a failure).
+    """
+    steps, spec_steps = metrics.get("num_steps"), metrics.get("num_spec_steps")
+    drafted = metrics.get("num_draft_tokens")
+    if drafted is None and metrics.get("num_drafts") is not None:
+        drafted = metrics["num_drafts"]
+    parts = []
+    if steps is not None and spec_steps is not None:
+        parts.append(f"{spec_steps} of {steps} steps verified drafts, {steps - spec_steps} had none")
+    if drafted == 0:
+        parts.append("nothing was drafted, every token came from the target alone")
+    elif drafted:
+        if metrics.get("acceptance_rate") is not None:
+            parts.append(f"acceptance rate {metrics['acceptance_rate']:.3f}")
+        if metrics.get("mean_acceptance_length") is not None:
+            parts.append(f"mean acceptance length {metrics['mean_acceptance_length']:.2f}")
+    return f"speculative {method}: " + (", ".join(parts) or "no statistics")
 
 
 def _time_plain(args: argparse.Namespace, spec_llm, prompts: list, params, spec_outputs) -> float:
@@ -109,7 +207,7 @@ def _json_object(text: str):
 
 # batch flags that override the YAML config's LLM arguments when given (flag dest -> LLM keyword).
 _BATCH_LLM_FLAGS = {"model": "model", "dtype": "dtype", "max_model_len": "max_model_len",
-                    "max_num_seqs": "max_num_seqs", "seed": "seed", "speculative_config": "speculative_config",
+                    "max_num_seqs": "max_num_seqs", "seed": "seed",
                     "tensor_parallel_size": "tensor_parallel_size", "data_parallel_size": "data_parallel_size"}
 
 
@@ -122,6 +220,12 @@ def batch_llm_kwargs(args: argparse.Namespace) -> dict:
         value = getattr(args, dest)
         if value is not None:
             kwargs[key] = value
+    base = kwargs.get("speculative_config")
+    if base is None and kwargs.get("model") is None:
+        base = _builtin_spec()  # LLM() with no model speculates with the shipped pair's config
+    spec = speculative_config_from_args(args, base)
+    if spec is not None and spec is not base:
+        kwargs["speculative_config"] = spec
     if args.no_warmup:
         kwargs["warmup"] = False
     return kwargs
@@ -145,6 +249,7 @@ def _batch_process(args: argparse.Namespace):
 
 def _batch(args: argparse.Namespace) -> int:
     from specjax import batch
+    from specjax.parallel import multihost
 
     if args.merge:
         summary = batch.merge_and_summarize(args.input, args.output, args.num_processes, summary_out=args.summary)
@@ -161,17 +266,29 @@ def _batch(args: argparse.Namespace) -> int:
     process = _batch_process(args)
     summary = batch.run_batch(options, llm_kwargs, process=process)
     # Process 0 (or the only one) reports the whole output; the others their part.
-    where = args.output if process.index == 0 else batch.multihost.part_path(args.output, process.index, process.count)
-    written = sum(r.get("records_written", 0) for r in summary["runs"])
-    tput = summary["throughput_tokens_per_s"]
+    where = args.output if process.index == 0 else multihost.part_path(args.output, process.index, process.count)
+    print(batch_report(where, summary), file=sys.stderr)
+    return 0
+
+
+def batch_report(where: str, summary) -> str:
+    """The one line ``specjax batch`` ends with, from its summary."""
+    runs = summary.get("runs", [])
+    written = sum(r.get("records_written", 0) for r in runs)
+    tput = summary.get("throughput_tokens_per_s")
     line = (f"[specjax] {where}: {summary['num_requests']} requests, {summary['num_errors']} errors, "
             f"{summary['num_generated_tokens']} tokens; this run wrote {written} records"
             + (f" at {tput:.1f} tokens/s" if tput else ""))
-    if summary["acceptance_rate"] is not None:
-        line += (f"; acceptance rate {summary['acceptance_rate']:.3f}, mean acceptance length "
-                 f"{summary['mean_acceptance_length']:.2f}")
-    print(line, file=sys.stderr)
-    return 0
+    methods = {r["speculative_method"] for r in runs if r.get("speculative_method")}
+    if methods:
+        # Steps are this invocation's (the LLMs' counters); drafts and acceptance cover every record.
+        per_run = [r.get("llm_metrics", {}) for r in runs]
+        metrics = {k: summary.get(k) for k in ("num_draft_tokens", "acceptance_rate", "mean_acceptance_length")}
+        for key in ("num_steps", "num_spec_steps"):
+            if all(key in m for m in per_run):
+                metrics[key] = sum(m[key] for m in per_run)
+        line += "; " + speculation_report("/".join(sorted(methods)), metrics)
+    return line
 
 
 def _add_batch_args(p: argparse.ArgumentParser) -> None:
@@ -180,7 +297,7 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file of LLM arguments (configs/*.yaml); flags override it")
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or builtin:<name>; default: the shipped pair with speculation")
-    p.add_argument("--speculative-config", type=_json_object, default=None, help="JSON object")
+    _add_speculative_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, help="tp devices per process")

@@ -136,18 +136,18 @@ def test_parse_errors_name_the_field(line, needle):
 
 
 def test_chat_template_from_tokenizer_config(tmp_path):
-    assert ChatTemplate.from_dir(BUILTIN_TARGET).source is None  # the shipped pair has none: the simple one
+    assert ChatTemplate.for_model(BUILTIN_TARGET).source is None  # the shipped pair has none: the simple one
     template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": template, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
-    t = ChatTemplate.from_dir(tmp_path)
+    t = ChatTemplate.for_model(tmp_path)
     assert not t.add_special_tokens
     assert t.render([{"role": "user", "content": "hi"}]) == "<s><|user|>hi</s><|assistant|>"
     (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
     line = json.dumps(_openai("a", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}))
     with pytest.raises(ValueError, match="body.messages: the chat template failed.*no system role"):
-        parse_line(line, 1, chat_template=ChatTemplate.from_dir(tmp_path))
+        parse_line(line, 1, chat_template=ChatTemplate.for_model(tmp_path))
 
 
 # --------------------------------------------------------------------------- the record file
@@ -199,14 +199,15 @@ def test_job_writes_one_record_per_line_in_order_and_resumes(tmp_path, llm):
     summary = run_batch(BatchOptions(input=str(inp), output=str(out), chunk_size=3, progress=False), llm=llm)
     recs = _records(out)
     assert [r["line"] for r in recs] == [1, 2, 3, 5, 6, 7, 8, 9, 10]  # blank line 4: no record
-    assert [r["custom_id"] for r in recs] == ["t", "c", "3", "5", "oov", "long", "s", "u", "10"]
-    errors = {r["custom_id"]: r["error"] for r in recs if "error" in r}
-    assert set(errors) == {"3", "oov", "long", "u", "10"}
-    assert "not valid UTF-8" in errors["10"]["message"]
-    assert errors["3"]["line"] == 3 and "invalid JSON" in errors["3"]["message"]
-    assert "prompt_token_ids has ids outside [0, 4096)" in errors["oov"]["message"]
-    assert "119 tokens, more than max_model_len=96" in errors["long"]["message"]
-    assert errors["u"]["message"].startswith("body.temperature")
+    # Unreadable lines (3: not JSON, 10: not UTF-8) have no custom_id; a readable one without gets its line number.
+    assert [r["custom_id"] for r in recs] == ["t", "c", None, "5", "oov", "long", "s", "u", None]
+    errors = {r["line"]: r["error"] for r in recs if "error" in r}
+    assert set(errors) == {3, 6, 7, 9, 10}
+    assert "not valid UTF-8 (byte 0xff at offset 12)" in errors[10]["message"]
+    assert errors[3]["line"] == 3 and "invalid JSON" in errors[3]["message"]
+    assert "prompt_token_ids has ids outside [0, 4096)" in errors[6]["message"]
+    assert "119 tokens, more than max_model_len=96" in errors[7]["message"]
+    assert errors[9]["message"].startswith("body.temperature")
     ok = {r["custom_id"]: r for r in recs if "error" not in r}
     assert [len(ok[c]["token_ids"]) for c in ("t", "c", "5", "s")] == [6, 5, 4, 5]
     assert ok["t"]["usage"]["prompt_tokens"] == len(llm.tokenizer.encode("def parse(argv):").ids)
