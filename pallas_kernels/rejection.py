@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from specjax.sample.transforms import apply_temperature, argmax_last, sample_with_exponentials, transform_logits
+from pallas_kernels.sampling_ops import apply_temperature, argmax_last, sample_with_exponentials, transform_logits
 
 METHODS = ("standard", "synthetic", "block")
 
