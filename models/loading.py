@@ -1,6 +1,10 @@
-"""Hugging Face checkpoint directory -> (LlamaConfig, param pytree), without torch.
+"""Model files -> (LlamaConfig, param pytree), tokenizer, EOS ids and chat template, without torch.
 
-Reads ``config.json`` and ``*.safetensors`` (single file or sharded with
+:func:`load_model`, :func:`load_tokenizer`, :func:`read_generation_eos` and
+:func:`read_chat_template` take either a Hugging Face directory or a GGUF file
+(:mod:`models.gguf`), so callers never branch on the format.
+
+For HF directories: reads ``config.json`` and ``*.safetensors`` (single file or sharded with
 ``model.safetensors.index.json``; fp32/fp16/bf16 files) with numpy, converts
 HF ``[out, in]`` Linear weights into the layout documented in
 :mod:`models.llama`, casts to the requested dtype and puts the result on the
@@ -31,8 +35,16 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 def _check_dir(path: PathLike) -> Path:
     p = Path(path)
     if not p.is_dir():
-        raise ValueError(f"model path {str(p)!r} is not a directory")
+        if p.suffix.lower() == ".gguf" and not p.exists():
+            raise ValueError(f"model path {str(p)!r}: GGUF file does not exist")
+        raise ValueError(f"model path {str(p)!r} is neither a directory nor a GGUF file")
     return p
+
+
+def _is_gguf(path: PathLike) -> bool:
+    from models.gguf import is_gguf_file
+
+    return is_gguf_file(path)
 
 
 def read_hf_config(path: PathLike) -> dict:
@@ -143,24 +155,44 @@ def _validate_dtype(dtype: Any) -> Any:
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
 
 
-def load_hf_model(path: PathLike, dtype: Any = "float32") -> tuple[LlamaConfig, dict]:
-    """Load a HF Llama/Mistral/Qwen2/Qwen3 directory as ``(config, params)``.
+def load_model(path: PathLike, dtype: Any = "float32") -> tuple[LlamaConfig, dict]:
+    """Load a model as ``(config, params)`` from an HF Llama/Mistral/Qwen2/Qwen3 directory or a GGUF file.
 
-    ``dtype``: "float32" or "bfloat16" (or the equivalent numpy/jnp dtype).
+    ``dtype``: "float32" or "bfloat16" (or the equivalent numpy/jnp dtype); GGUF
+    tensors are dequantized to float32 first, then cast.
     """
     np_dtype = _validate_dtype(dtype)
-    p = _check_dir(path)
-    config = LlamaConfig.from_hf_config(read_hf_config(p))
-    tensors = _read_tensors(_safetensors_files(p))
-    params = convert_hf_state_dict(tensors, config, dtype=np_dtype, path=str(p))
-    del tensors
+    if _is_gguf(path):
+        from models.gguf import load_gguf_model
+
+        config, params = load_gguf_model(path, dtype=np_dtype)
+        source = "GGUF"
+    else:
+        p = _check_dir(path)
+        config = LlamaConfig.from_hf_config(read_hf_config(p))
+        tensors = _read_tensors(_safetensors_files(p))
+        params = convert_hf_state_dict(tensors, config, dtype=np_dtype, path=str(p))
+        del tensors
+        source = "HF"
     params = jax.tree_util.tree_map(jnp.asarray, params)
-    logger.info("loaded %s from %s (%s)", config.architecture, p, np.dtype(np_dtype).name)
+    logger.info("loaded %s from %s %s (%s)", config.architecture, source, path, np.dtype(np_dtype).name)
     return config, params
 
 
+def load_hf_model(path: PathLike, dtype: Any = "float32") -> tuple[LlamaConfig, dict]:
+    """Same as :func:`load_model` (kept for existing callers; a GGUF file path works here too)."""
+    return load_model(path, dtype)
+
+
 def load_tokenizer(path: PathLike):
-    """``tokenizers.Tokenizer`` from ``tokenizer.json`` if the directory has one, else None."""
+    """``tokenizers.Tokenizer`` from ``tokenizer.json`` if the directory has one, else None.
+
+    For a GGUF file: ``tokenizer.json`` beside it, else the tokenizer its metadata describes (None if none).
+    """
+    if _is_gguf(path):
+        from models.gguf import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(path)
     p = _check_dir(path)
     file = p / "tokenizer.json"
     if not file.is_file():
@@ -171,7 +203,18 @@ def load_tokenizer(path: PathLike):
 
 
 def read_generation_eos(path: PathLike, config: Optional[LlamaConfig] = None) -> tuple[int, ...]:
-    """EOS ids from ``generation_config.json`` when it names any, else ``config.eos_token_ids``."""
+    """EOS ids from ``generation_config.json`` when it names any, else ``config.eos_token_ids``.
+
+    For a GGUF file: the metadata's eos id plus its eot/eom ids (llama.cpp's end-of-generation set), else
+    ``config.eos_token_ids``.
+    """
+    if _is_gguf(path):
+        from models.gguf import gguf_generation_eos
+
+        ids = gguf_generation_eos(path)
+        if ids:
+            return ids
+        return tuple(config.eos_token_ids) if config is not None else ()
     p = _check_dir(path)
     file = p / "generation_config.json"
     if file.is_file():
@@ -182,3 +225,30 @@ def read_generation_eos(path: PathLike, config: Optional[LlamaConfig] = None) ->
     if config is None:
         config = LlamaConfig.from_hf_config(read_hf_config(p))
     return tuple(config.eos_token_ids)
+
+
+def read_chat_template(path: PathLike) -> Optional[str]:
+    """The model's Jinja chat template, or None if it has none.
+
+    HF directory: ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template`` (a string, or the
+    entry named "default" of a list of ``{name, template}``). GGUF file: ``tokenizer.chat_template``.
+    """
+    if _is_gguf(path):
+        from models.gguf import gguf_chat_template
+
+        return gguf_chat_template(path)
+    p = _check_dir(path)
+    jinja = p / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    cfg = p / "tokenizer_config.json"
+    if not cfg.is_file():
+        return None
+    with open(cfg, encoding="utf-8") as f:
+        template = json.load(f).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{cfg}: chat_template must be a string or a list of {{name, template}}")
+    return template
