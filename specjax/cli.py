@@ -59,20 +59,21 @@ def speculative_config_from_args(args: argparse.Namespace, base: dict | None = N
     without flags (the --config file's, or the shipped pair's); the one-field flags refine it, unless they
     name the method or the draft model, which starts a new config.
     """
-    given = {field: (flag, getattr(args, dest)) for dest, (flag, field) in _SPEC_FLAGS.items()
+    # field -> (how the user spelled it, value)
+    given = {field: (f"{flag} {getattr(args, dest)}", getattr(args, dest)) for dest, (flag, field) in _SPEC_FLAGS.items()
              if getattr(args, dest, None) is not None}
     whole = getattr(args, "speculative_config", None)
     if given.get("model", (None, None))[1] == "[ngram]":  # older vLLM's spelling of the ngram proposer
-        given.pop("model")
-        if given.get("method", ("", "ngram"))[1] != "ngram":
-            raise ValueError(f"--draft-model [ngram] conflicts with --speculative-method {given['method'][1]}")
-        given["method"] = ("--draft-model [ngram]", "ngram")
+        spelled, _ = given.pop("model")
+        if given.get("method", (None, "ngram"))[1] != "ngram":
+            raise ValueError(f"{spelled} conflicts with {given['method'][0]}")
+        given["method"] = (spelled, "ngram")
     if not given:
         return whole if whole is not None else base
     if whole is not None:
-        for field, (flag, value) in given.items():
+        for field, (spelled, value) in given.items():
             if field in whole and whole[field] != value:
-                raise ValueError(f"{flag} {value} conflicts with --speculative-config's {field}={whole[field]!r}; "
+                raise ValueError(f"{spelled} conflicts with --speculative-config's {field}={whole[field]!r}; "
                                  "give the field one way")
         config = dict(whole)
     elif "method" in given or "model" in given or base is None:
@@ -81,7 +82,7 @@ def speculative_config_from_args(args: argparse.Namespace, base: dict | None = N
         config = dict(base)
     config.update({field: value for field, (_, value) in given.items()})
     if "method" not in config and "model" not in config and config.get("rejection_sample_method") != "synthetic":
-        flags = ", ".join(flag for flag, _ in given.values())
+        flags = ", ".join(spelled.split(" ")[0] for spelled, _ in given.values())
         raise ValueError(f"{flags} needs a speculative method: add --speculative-method, --draft-model or "
                          "--speculative-config")
     return config

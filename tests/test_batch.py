@@ -135,19 +135,22 @@ def test_parse_errors_name_the_field(line, needle):
     assert needle in str(info.value)
 
 
-def test_chat_template_from_tokenizer_config(tmp_path):
-    assert ChatTemplate.for_model(BUILTIN_TARGET).source is None  # the shipped pair has none: the simple one
-    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-                "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
-    t = ChatTemplate.for_model(tmp_path)
-    assert not t.add_special_tokens
-    assert t.render([{"role": "user", "content": "hi"}]) == "<s><|user|>hi</s><|assistant|>"
-    (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
+def test_chat_lines_render_with_the_models_template(tmp_path):
+    """(Templates themselves: test_chat.py.) A template failure, or a template that does not load, is the line's."""
     line = json.dumps(_openai("a", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}))
+    (tmp_path / "chat_template.jinja").write_text("<{{ messages[0]['content'] }}>")
+    r = parse_line(line, 1, chat_template=ChatTemplate.for_model(tmp_path))
+    assert (r.prompt, r.add_special_tokens, r.prompt_field) == ("<hi>", False, "body.messages")
+    (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
     with pytest.raises(ValueError, match="body.messages: the chat template failed.*no system role"):
         parse_line(line, 1, chat_template=ChatTemplate.for_model(tmp_path))
+
+    def unloadable():
+        raise ValueError("body.messages: tokenizer_config.json: the chat template does not compile")
+
+    with pytest.raises(batch.LineError, match="does not compile") as info:
+        parse_line(line, 1, chat_template=unloadable)
+    assert info.value.custom_id == "a"
 
 
 # --------------------------------------------------------------------------- the record file
@@ -251,6 +254,65 @@ def test_a_request_the_chunk_rejects_is_isolated(tmp_path, llm, monkeypatch):
     recs = _records(tmp_path / "out.jsonl")
     assert ["error" in r for r in recs] == [False, True, False]
     assert "outside [0, 4096)" in recs[1]["error"]["message"]
+
+
+POISON = 77  # a token that makes the patched LLM.generate below fail any batch holding it
+
+
+def _failing_generate(llm, monkeypatch, fails):
+    """Patch ``llm.generate`` to raise RuntimeError when ``fails(prompts)``; returns the list of calls' sizes."""
+    real, calls = llm.generate, []
+
+    def generate(prompts, params=None, **kw):
+        calls.append(len(prompts))
+        if fails(prompts):
+            raise RuntimeError("device says no")
+        return real(prompts, params, **kw)
+
+    monkeypatch.setattr(llm, "generate", generate)
+    return calls
+
+
+def test_a_request_that_fails_generation_fails_alone(tmp_path, llm, monkeypatch):
+    """A non-ValueError failure pinned on one request: its record says so, its chunk-mates run as without it."""
+    rows = [{"custom_id": f"r{i}", "prompt_token_ids": [4 + i, POISON if i == 3 else 9, 11], "max_tokens": 4,
+             "ignore_eos": True, **({"temperature": 0} if i % 2 else {})} for i in range(6)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    run_batch(BatchOptions(input=str(inp), output=str(tmp_path / "clean.jsonl"), progress=False), llm=llm)
+    calls = _failing_generate(llm, monkeypatch,
+                              lambda prompts: any(POISON in p["prompt_token_ids"] for p in prompts))
+    summary = run_batch(BatchOptions(input=str(inp), output=str(tmp_path / "out.jsonl"), chunk_size=6,
+                                     progress=False), llm=llm)
+    recs, clean = _records(tmp_path / "out.jsonl"), _records(tmp_path / "clean.jsonl")
+    assert [r["line"] for r in recs] == [1, 2, 3, 4, 5, 6] and summary["num_errors"] == 1
+    assert recs[3]["custom_id"] == "r3"
+    assert recs[3]["error"]["message"] == "line 4, generation: unexpected RuntimeError: device says no"
+    assert _content(recs[:3] + recs[4:]) == _content(clean[:3] + clean[4:])  # sampled lines included
+    # Bisection: 6 -> 3 + 3 -> (1 + 2) + ... -> the one-token probe after the culprit failed alone.
+    assert len(calls) < 12 and 1 in calls
+
+
+def test_a_failure_no_request_explains_stops_the_job_and_the_rerun_resumes(tmp_path, llm, monkeypatch):
+    rows = [{"prompt_token_ids": [4 + i, 9], "max_tokens": 3, "temperature": 0} for i in range(4)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    broken = {"on": False}
+    real = llm.generate
+
+    def generate(prompts, params=None, **kw):
+        if broken["on"]:
+            raise RuntimeError("device lost")
+        out_ = real(prompts, params, **kw)
+        broken["on"] = True  # the engine dies after the first chunk, probe included
+        return out_
+
+    monkeypatch.setattr(llm, "generate", generate)
+    with pytest.raises(RuntimeError, match="device lost"):
+        run_batch(BatchOptions(input=str(inp), output=str(out), chunk_size=2, progress=False), llm=llm)
+    assert [r["line"] for r in _records(out)] == [1, 2]  # no error records for a failure that is not theirs
+    monkeypatch.setattr(llm, "generate", real)
+    run_batch(BatchOptions(input=str(inp), output=str(out), chunk_size=2, progress=False), llm=llm)
+    assert [("error" in r, r["line"]) for r in _records(out)] == [(False, 1), (False, 2), (False, 3), (False, 4)]
 
 
 def test_speculative_job_reports_acceptance(tmp_path, tiny):

@@ -1,0 +1,115 @@
+"""specjax.chat: chat templates rendered as transformers renders them, messages validated by field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import specjax
+from specjax.chat import ChatTemplate, render_simple_chat, validate_messages
+
+BUILTIN_TARGET = Path(specjax.__file__).parent / "builtin" / "target"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo <b>&"}]
+
+# Exercises what real templates use: loop controls, tojson on non-ASCII, raise_exception, extra message keys.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{% if m.name is defined %}({{ m.name }}){% endif %}"
+    "{{ m['content'] | tojson }}{{ eos_token }}\n"
+    "{% if loop.index == 5 %}{% break %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _tokenizer_dir(path: Path, template: str | None = TEMPLATE, *, as_file: bool = False) -> Path:
+    shutil.copy(BUILTIN_TARGET / "tokenizer.json", path / "tokenizer.json")
+    config = json.loads((BUILTIN_TARGET / "tokenizer_config.json").read_text())
+    if template is not None and not as_file:
+        config["chat_template"] = template
+    elif template is not None:
+        (path / "chat_template.jinja").write_text(template)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_without_a_template_the_simple_rendering_applies():
+    t = ChatTemplate.for_model(BUILTIN_TARGET)
+    assert t.source is None and t.add_special_tokens
+    assert t.render(MESSAGES) == "system: be brief\nuser: héllo <b>&\nassistant:"
+    assert t.render(MESSAGES, add_generation_prompt=False) == "system: be brief\nuser: héllo <b>&\n"
+    assert render_simple_chat(MESSAGES) == t.render(MESSAGES)
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_rendering_matches_transformers_apply_chat_template(tmp_path, as_file, generation_prompt):
+    transformers = pytest.importorskip("transformers")
+    d = _tokenizer_dir(tmp_path, as_file=as_file)
+    messages = [*MESSAGES, {"role": "user", "content": "ünïcode ✓", "name": "bob"}] * 2
+    t = ChatTemplate.for_model(d)
+    assert not t.add_special_tokens and (t.bos_token, t.eos_token) == ("<|bos|>", "<|endoftext|>")
+    reference = transformers.AutoTokenizer.from_pretrained(str(d)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt)
+    got = t.render(messages, add_generation_prompt=generation_prompt)
+    assert got == reference
+    assert got.count("<|user|>") == 3  # {% break %} after the fifth message
+    assert '"ünïcode ✓"' in got and '"héllo <b>&"' in got  # tojson keeps text as it is, like transformers'
+
+
+def test_chat_template_jinja_wins_and_named_templates(tmp_path):
+    d = _tokenizer_dir(tmp_path, template="config{{ messages[0].content }}")
+    (d / "chat_template.jinja").write_text("file{{ messages[0].content }}")
+    assert ChatTemplate.for_model(d).render(MESSAGES) == "filebe brief"
+    (d / "chat_template.jinja").unlink()
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "dflt"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTemplate.for_model(d).render(MESSAGES) == "dflt"
+
+
+def test_broken_templates_fail_at_load_or_render_by_name(tmp_path):
+    d = _tokenizer_dir(tmp_path, template="{% for m in messages %}")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: the chat template does not compile: "
+                                         r"TemplateSyntaxError"):
+        ChatTemplate.for_model(d)
+    d = _tokenizer_dir(tmp_path, template=42)
+    with pytest.raises(ValueError, match="chat_template must be a string, got int"):
+        ChatTemplate.for_model(d)
+    t = ChatTemplate.for_model(_tokenizer_dir(tmp_path))
+    with pytest.raises(ValueError, match=r"^body\.messages: the chat template failed: ValueError: chat template: "
+                                         r"no tools here"):
+        t.render([{"role": "tool", "content": "x"}], field="body.messages")
+    with pytest.raises(ValueError, match=r"^messages: the chat template failed: UndefinedError"):
+        ChatTemplate(source="{{ messages.nope.deeper }}").render(MESSAGES)
+    with pytest.raises(ValueError, match="add_generation_prompt must be a bool"):
+        t.render(MESSAGES, add_generation_prompt="yes")
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([], r"^messages must be a non-empty list of messages"),
+    ("hi", r"^messages must be a non-empty list of messages, got 'hi'"),
+    (["hi"], r"^messages\[0\] must be an object with 'role' and 'content'"),
+    ([{"role": "user"}], r"^messages\[0\]\.content must be a string or a list of text parts, got None"),
+    ([{"content": "x"}], r"^messages\[0\]\.role must be a non-empty string"),
+    ([{"role": "", "content": "x"}], r"^messages\[0\]\.role must be a non-empty string"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], r"^messages\[0\]\.content\[0\] must be \{'type'"),
+    ([{"role": "user", "content": "a\udc80"}], r"^messages\[0\]\.content is not valid Unicode: lone surrogate U\+DC80"),
+    ([{"role": "us\ud800", "content": "a"}], r"^messages\[0\]\.role is not valid Unicode"),
+    ([{"role": "u", "content": [{"type": "text", "text": "\udfff"}]}],
+     r"^messages\[0\]\.content\[0\]\.text is not valid Unicode"),
+    ([{"role": "u", "content": "x", "name": "\ud800"}], r"^messages\[0\]\.name is not valid Unicode"),
+    ([{"role": "u", "content": "x", 3: "y"}], r"^messages\[0\] has a key that is not a string: 3"),
+])
+def test_messages_are_validated_by_field(messages, message):
+    with pytest.raises(ValueError, match=message):
+        validate_messages(messages)
+
+
+def test_content_parts_are_joined_and_extra_keys_kept():
+    out = validate_messages([{"role": "user", "name": "bob",
+                              "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}])
+    assert out == [{"role": "user", "name": "bob", "content": "hello"}]
