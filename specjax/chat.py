@@ -2,12 +2,12 @@
 
 API::
 
-    template = ChatTemplate.for_model("/models/qwen3-8b")      # a model or tokenizer directory
+    template = ChatTemplate.for_model("/models/qwen3-8b")      # a model / tokenizer directory or a GGUF file
     text = template.render([{"role": "user", "content": "hi"}])  # add_generation_prompt=True by default
     ids = tokenizer.encode(text, add_special_tokens=template.add_special_tokens).ids
 
-The template is the tokenizer's jinja template (``chat_template.jinja``, else
-``chat_template`` in ``tokenizer_config.json``), rendered the way transformers'
+The template is the model's jinja template (``chat_template.jinja``, else
+``chat_template`` in ``tokenizer_config.json``; a GGUF file's ``tokenizer.chat_template``), rendered the way transformers'
 ``apply_chat_template`` renders it: a sandboxed jinja2 environment with
 ``trim_blocks``/``lstrip_blocks``, loop controls, ``raise_exception``,
 ``strftime_now`` and a ``tojson`` that keeps non-ASCII text. The rendered text
@@ -114,45 +114,30 @@ class ChatTemplate:
 
     @classmethod
     def for_model(cls, path: str | os.PathLike) -> "ChatTemplate":
-        """The template next to a model's tokenizer: ``chat_template.jinja``, else ``tokenizer_config.json``'s.
+        """The chat template of a model: a Hugging Face model or tokenizer directory, or a GGUF file.
 
-        ``path`` is a model or tokenizer directory. No template there: the simple rendering.
-        ValueError naming the file when the template is not a string or does not compile.
+        Read by :func:`models.loading.read_chat_template` (``chat_template.jinja``, else
+        ``tokenizer_config.json``'s; a GGUF file's ``tokenizer.chat_template``), with the BOS / EOS
+        token strings the template may print. No template: the simple rendering. ValueError naming
+        the path when the template is not a string or does not compile.
         """
-        path = Path(path)
-        config: dict = {}
-        config_file = path / "tokenizer_config.json"
-        if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except ValueError as exc:
-                raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
-            if not isinstance(config, dict):
-                raise ValueError(f"{config_file} must hold a JSON object")
-        if (path / "chat_template.jinja").is_file():
-            where, source = path / "chat_template.jinja", (path / "chat_template.jinja").read_text(encoding="utf-8")
-        else:
-            where, source = config_file, config.get("chat_template")
-            if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
-                named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-                source = named.get("default")
-        if source is not None and not isinstance(source, str):
-            raise ValueError(f"{where}: chat_template must be a string, got {type(source).__name__}")
+        from models.loading import read_chat_template  # imports jax: only once a chat template is wanted
 
-        def token(name: str) -> str:
-            value = config.get(name)
-            if isinstance(value, dict):
-                value = value.get("content")
-            return value if isinstance(value, str) else ""
-
-        template = cls(source=source or None, bos_token=token("bos_token"), eos_token=token("eos_token"))
+        try:
+            source = read_chat_template(path)
+            bos, eos = _special_tokens(path)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{os.fspath(path)}: cannot read the chat template: {exc}") from None
+        template = cls(source=source or None, bos_token=bos, eos_token=eos)
         if template.source is not None:
             try:
                 _compiled_template(template.source)  # fail here, not at the first chat request
             except ImportError as exc:
-                raise ValueError(f"{where}: rendering chat templates needs jinja2 ({exc})") from None
+                raise ValueError(f"{os.fspath(path)}: rendering chat templates needs jinja2 ({exc})") from None
             except Exception as exc:  # noqa: BLE001 - jinja's TemplateSyntaxError and friends
-                raise ValueError(f"{where}: the chat template does not compile: {type(exc).__name__}: {exc}") from None
+                raise ValueError(
+                    f"{os.fspath(path)}: the chat template does not compile: {type(exc).__name__}: {exc}"
+                ) from None
         return template
 
     def render(self, messages: Any, add_generation_prompt: bool = True, *, field: str = "messages") -> str:
@@ -170,6 +155,31 @@ class ChatTemplate:
         except Exception as exc:  # noqa: BLE001 - whatever the template raises is this request's problem
             raise ValueError(f"{field}: the chat template failed: {type(exc).__name__}: {exc}") from None
         return check_unicode(text, f"{field} (as rendered by the chat template)")
+
+
+def _special_tokens(path: str | os.PathLike) -> tuple[str, str]:
+    """(bos, eos) token strings of a model, "" where it names none."""
+    from models.gguf import is_gguf_file, open_gguf
+
+    if is_gguf_file(path):
+        f = open_gguf(path)
+        tokens = f.get("tokenizer.ggml.tokens") or []
+
+        def token(key: str) -> str:
+            i = f.get(key)
+            return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else ""
+
+        return token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+    config_file = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+
+    def token(name: str) -> str:
+        value = config.get(name) if isinstance(config, dict) else None
+        if isinstance(value, dict):
+            value = value.get("content")
+        return value if isinstance(value, str) else ""
+
+    return token("bos_token"), token("eos_token")
 
 
 def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:

