@@ -114,6 +114,8 @@ class BatchJob:
                 self._template = ChatTemplate.for_model(self.llm_kwargs.get("tokenizer") or self.llm.model_path)
             except ValueError as exc:
                 self._template = exc
+            except Exception as exc:  # noqa: BLE001 - e.g. a GGUF file that cannot be read: tried once, not per line
+                self._template = ValueError(f"cannot load the chat template: {type(exc).__name__}: {exc}")
         if isinstance(self._template, ValueError):
             raise ValueError(f"body.messages: {self._template}")
         return self._template
