@@ -29,6 +29,20 @@ Param layout (``params`` is the inner dict, i.e. ``Model.init(...)["params"]``):
     norm/scale                          [D]
     lm_head/kernel                      [D, V]      (absent if tie_word_embeddings)
 
+Derived XLA:CPU layout (:func:`to_cpu_layout`; the checkpoint layout above is
+unchanged and :func:`forward` accepts either tree)::
+
+    layers_{i}/self_attn/qkv_proj/kernel_t  [(H+2G)*E, D]  q, k, v rows stacked, transposed
+    layers_{i}/self_attn/qkv_proj/bias      [(H+2G)*E]     (only if attention_bias)
+    layers_{i}/self_attn/o_proj/kernel_t    [D, H*E]       (o_proj/bias unchanged)
+    layers_{i}/mlp/gate_up_proj/kernel_t    [2F, D]        gate rows then up rows
+    layers_{i}/mlp/down_proj/kernel_t       [D, F]
+    lm_head/kernel_t                        [V, D]         (untied only; a tied head reads embedding [V, D])
+
+Every projection then multiplies by a ``[N, K]`` matrix (:func:`matmul_t`),
+which on XLA:CPU streams the weight once however many rows (B*T <= 32) a step
+has; see :func:`matmul_t` and benchmarks/README.md ("Verify cost on CPU").
+
 Shape letters: b rows, t query tokens, s keys, d model, h q heads, g kv heads,
 r heads per kv, e head dim, f ffn, v vocab.
 """
@@ -297,6 +311,52 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
+# --------------------------------------------------------------------------- projections
+
+ROWS_PATH_MAX_ROWS = 32
+"""Most rows (B*T) a product takes the row-streaming formulation for on CPU; more rows use the dot."""
+
+
+def _dot_t(x2: jax.Array, w_t: jax.Array) -> jax.Array:
+    """``[M, K] x [N, K] -> float32 [M, N]`` as one dot (GEMV at M = 1, GEMM above)."""
+    return jax.lax.dot_general(x2, w_t.astype(x2.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _rows_product(x2: jax.Array, w_t: jax.Array) -> jax.Array:
+    """``[M, K] x [N, K] -> float32 [M, N]`` as a broadcast multiply summed over the minor axis K.
+
+    XLA:CPU (jaxlib 0.10) lowers this fusion to one YNNPACK kernel that reads each
+    weight row once for all M rows, where a dot with 2-32 rows takes a GEMM path
+    costing 1.5-3x a one-row GEMV (benchmarks/README.md). That kernel is fastest
+    at power-of-two row counts (measured: 5 rows cost 1.3x 8 rows), so the rows
+    are zero-padded up to one.
+    """
+    m = x2.shape[0]
+    padded = 1 << (m - 1).bit_length()
+    xp = jnp.pad(x2.astype(jnp.float32), ((0, padded - m), (0, 0)))  # [Mp, K]
+    y = jnp.sum(w_t.astype(jnp.float32)[None, :, :] * xp[:, None, :], axis=-1)  # [Mp, N]
+    return y[:m]
+
+
+def matmul_t(x: jax.Array, w_t: jax.Array, *, out_dtype: Any = None) -> jax.Array:
+    """``x [..., K]`` times the transpose of ``w_t [N, K]`` -> ``[..., N]`` in ``out_dtype`` (default x's).
+
+    Accumulates in float32. With 2..ROWS_PATH_MAX_ROWS rows the CPU lowering is
+    :func:`_rows_product` (chosen per platform at lowering time by
+    ``lax.platform_dependent``); every other case, and every other platform, is
+    one dot.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    lead, k = x.shape[:-1], x.shape[-1]
+    m = math.prod(lead)
+    x2 = x.reshape(m, k)  # [M, K]
+    if 2 <= m <= ROWS_PATH_MAX_ROWS:
+        y = jax.lax.platform_dependent(x2, w_t, cpu=_rows_product, default=_dot_t)
+    else:
+        y = _dot_t(x2, w_t)
+    return y.astype(out_dtype).reshape(*lead, w_t.shape[0])  # [..., N]
+
+
 # --------------------------------------------------------------------------- modules
 
 _kernel_init = nn.initializers.normal(stddev=0.02)
@@ -342,10 +402,13 @@ class _OutProj(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", _kernel_init, (x.shape[-2], x.shape[-1], self.d), self.param_dtype)  # [H, E, D]
         b, t, h, e = x.shape
-        # One [H*E, D] GEMM: XLA:CPU runs a dot with two contracting dims ~3x slower at small batch.
-        y = (x.reshape(b, t, h * e) @ kernel.reshape(h * e, self.d).astype(x.dtype))  # [B, T, D]
+        if self.has_variable("params", "kernel_t"):  # derived CPU layout: [D, H*E]
+            y = matmul_t(x.reshape(b, t, h * e), self.get_variable("params", "kernel_t"))  # [B, T, D]
+        else:
+            kernel = self.param("kernel", _kernel_init, (h, e, self.d), self.param_dtype)  # [H, E, D]
+            # One [H*E, D] GEMM: XLA:CPU runs a dot with two contracting dims ~3x slower at small batch.
+            y = x.reshape(b, t, h * e) @ kernel.reshape(h * e, self.d).astype(x.dtype)  # [B, T, D]
         if self.bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.d,), self.param_dtype).astype(x.dtype)
         return y
@@ -359,6 +422,8 @@ class _Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "kernel_t"):  # derived CPU layout: [O, I]
+            return matmul_t(x, self.get_variable("params", "kernel_t"))
         kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.features), self.param_dtype)  # [I, O]
         return jnp.einsum("bti,io->bto", x, kernel.astype(x.dtype))
 
@@ -379,9 +444,19 @@ class Attention(nn.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         c, pd = self.config, self.param_dtype
         h, g, e = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = _Proj(h, e, c.attention_bias, pd, name="q_proj")(x)  # [B, T, H, E]
-        k = _Proj(g, e, c.attention_bias, pd, name="k_proj")(x)  # [B, T, G, E]
-        v = _Proj(g, e, c.attention_bias, pd, name="v_proj")(x)  # [B, T, G, E]
+        if self.has_variable("params", "qkv_proj"):  # derived CPU layout: one [(H+2G)*E, D] product
+            fused = self.get_variable("params", "qkv_proj")
+            qkv = matmul_t(x, fused["kernel_t"])  # [B, T, (H+2G)*E]
+            if c.attention_bias:
+                qkv = qkv + fused["bias"].astype(x.dtype)
+            b, t = x.shape[:2]
+            q = qkv[..., : h * e].reshape(b, t, h, e)  # [B, T, H, E]
+            k = qkv[..., h * e : (h + g) * e].reshape(b, t, g, e)  # [B, T, G, E]
+            v = qkv[..., (h + g) * e :].reshape(b, t, g, e)  # [B, T, G, E]
+        else:
+            q = _Proj(h, e, c.attention_bias, pd, name="q_proj")(x)  # [B, T, H, E]
+            k = _Proj(g, e, c.attention_bias, pd, name="k_proj")(x)  # [B, T, G, E]
+            v = _Proj(g, e, c.attention_bias, pd, name="v_proj")(x)  # [B, T, G, E]
         if c.qk_norm:  # Qwen3: per-head RMSNorm over E, before RoPE
             q = RMSNorm(c.rms_norm_eps, pd, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, pd, name="k_norm")(k)
@@ -406,8 +481,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
         c, pd = self.config, self.param_dtype
-        gate = _Dense(c.intermediate_size, pd, name="gate_proj")(x)  # [B, T, F]
-        up = _Dense(c.intermediate_size, pd, name="up_proj")(x)  # [B, T, F]
+        if self.has_variable("params", "gate_up_proj"):  # derived CPU layout: one [2F, D] product
+            gate_up = matmul_t(x, self.get_variable("params", "gate_up_proj")["kernel_t"])  # [B, T, 2F]
+            gate, up = jnp.split(gate_up, 2, axis=-1)  # [B, T, F] each
+        else:
+            gate = _Dense(c.intermediate_size, pd, name="gate_proj")(x)  # [B, T, F]
+            up = _Dense(c.intermediate_size, pd, name="up_proj")(x)  # [B, T, F]
         return _Dense(c.hidden_size, pd, name="down_proj")(nn.silu(gate) * up)  # [B, T, D]
 
 
@@ -443,7 +522,7 @@ class Embed(nn.Module):
         return jnp.take(self.embedding, tokens, axis=0, mode="clip")
 
     def attend(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> float32 [B, L, V] (tied LM head)
-        return jnp.einsum("bld,vd->blv", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+        return matmul_t(x, self.embedding, out_dtype=jnp.float32)  # the embedding is already [V, D]
 
 
 class LMHead(nn.Module):
@@ -452,6 +531,8 @@ class LMHead(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> float32 [B, L, V]
+        if self.has_variable("params", "kernel_t"):  # derived CPU layout: [V, D]
+            return matmul_t(x, self.get_variable("params", "kernel_t"), out_dtype=jnp.float32)
         kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.vocab_size), self.param_dtype)  # [D, V]
         return jnp.einsum("bld,dv->blv", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
 
@@ -559,8 +640,9 @@ def forward_features(
 def lm_head_logits(params: Mapping[str, Any], hidden: jax.Array, *, config: LlamaConfig) -> jax.Array:
     """float32 logits [B, L, V] of final-normed ``hidden [B, L, D]`` (for heads that reuse the LM head)."""
     if config.tie_word_embeddings:
-        w = params["embed_tokens"]["embedding"]  # [V, D]
-        return jnp.einsum("bld,vd->blv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        return matmul_t(hidden, params["embed_tokens"]["embedding"], out_dtype=jnp.float32)  # [V, D]
+    if "kernel_t" in params["lm_head"]:  # derived CPU layout
+        return matmul_t(hidden, params["lm_head"]["kernel_t"], out_dtype=jnp.float32)  # [V, D]
     w = params["lm_head"]["kernel"]  # [D, V]
     return jnp.einsum("bld,dv->blv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
@@ -605,6 +687,59 @@ def _draw_params(key, names, shapes, dtype):
         jnp.ones(shape, dtype) if name == "scale" else jnp.zeros(shape, dtype) if name == "bias" else drawn[i]
         for i, (name, shape) in enumerate(zip(names, shapes))
     ]
+
+
+def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig) -> dict:
+    """The derived XLA:CPU layout (module docstring) of a checkpoint-layout param tree; same dtypes.
+
+    q/k/v become one ``[(H+2G)*E, D]`` matrix and gate/up one ``[2F, D]``; o/down
+    projections and an untied LM head are transposed to ``[out, in]``. Norms, the
+    embedding and o_proj's bias are kept. :func:`forward`, :func:`lm_head_logits`
+    and ``DecoderLayer`` run either layout and give the same logits up to float
+    rounding. Built on the host (numpy) once at load; it copies the weights, so
+    drop the checkpoint tree afterwards. For a single device (the CPU engine): the
+    fused matrices are not laid out for tensor-parallel sharding.
+    """
+    h, g, e = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    d, f = config.hidden_size, config.intermediate_size
+    if is_cpu_layout(params):
+        raise ValueError("params are already in the CPU layout")
+
+    def t(a, rows: int) -> np.ndarray:  # [in..., out...] with `rows` input elements -> [out, in]
+        return np.asarray(a).reshape(rows, -1).T
+
+    def stack(*mats: np.ndarray) -> jax.Array:
+        return jnp.asarray(np.ascontiguousarray(np.concatenate(mats, axis=0)))
+
+    out: dict[str, Any] = {}
+    for name, sub in params.items():
+        if not name.startswith("layers_"):
+            out[name] = sub
+            continue
+        attn, mlp = sub["self_attn"], sub["mlp"]
+        qkv = {"kernel_t": stack(*(t(attn[p]["kernel"], d) for p in ("q_proj", "k_proj", "v_proj")))}
+        if config.attention_bias:
+            qkv["bias"] = stack(*(np.asarray(attn[p]["bias"]).reshape(-1) for p in ("q_proj", "k_proj", "v_proj")))
+        new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_t": stack(t(attn["o_proj"]["kernel"], h * e))}}  # [D, H*E]
+        if "bias" in attn["o_proj"]:
+            new_attn["o_proj"]["bias"] = attn["o_proj"]["bias"]
+        for norm in ("q_norm", "k_norm"):
+            if norm in attn:
+                new_attn[norm] = attn[norm]
+        new_mlp = {
+            "gate_up_proj": {"kernel_t": stack(t(mlp["gate_proj"]["kernel"], d), t(mlp["up_proj"]["kernel"], d))},
+            "down_proj": {"kernel_t": stack(t(mlp["down_proj"]["kernel"], f))},  # [D, F]
+        }
+        out[name] = {**{k: v for k, v in sub.items() if k not in ("self_attn", "mlp")},
+                     "self_attn": new_attn, "mlp": new_mlp}
+    if "lm_head" in params:
+        out["lm_head"] = {"kernel_t": stack(t(params["lm_head"]["kernel"], d))}  # [V, D]
+    return out
+
+
+def is_cpu_layout(params: Mapping[str, Any]) -> bool:
+    """Whether ``params`` is in the derived CPU layout of :func:`to_cpu_layout`."""
+    return "qkv_proj" in params.get("layers_0", {}).get("self_attn", {})
 
 
 def num_params(params: Any) -> int:
