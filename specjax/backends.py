@@ -1,19 +1,85 @@
 """Which implementation runs where: the one place that picks kernels per platform.
 
-Every choice of kernel vs XLA path is made here from ``jax.default_backend()``,
-so the engine, the sampler front end and the model never test the platform
-themselves.
+Every choice of Pallas kernel vs XLA path is made here, from
+``jax.default_backend()`` and two environment variables (read when a step is
+traced, i.e. at its first compile):
+
+``SPECJAX_ATTENTION_BACKEND``  ``auto`` (default) | ``xla`` | ``pallas``
+    auto: TPU -> JAX's ragged paged attention (every row kind: prefill chunks,
+    decode, K+1-token verification); GPU -> JAX's Pallas paged decode attention
+    for one-token rows and the XLA path for wider rows; CPU -> the XLA path.
+    ``pallas`` is ``auto`` that refuses to run on CPU; ``xla`` forces the XLA path.
+``SPECJAX_SAMPLER_BACKEND``  ``auto`` (default) | ``xla`` | ``pallas``
+    auto: the V-tiled fused Pallas rejection kernel on TPU; the batched XLA path
+    on GPU (until the device check shows the kernel faster there) and CPU.
+
+The engine, the sampler front end and the model never test the platform themselves.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
+
+ATTENTION_ENV = "SPECJAX_ATTENTION_BACKEND"
+SAMPLER_ENV = "SPECJAX_SAMPLER_BACKEND"
+CHOICES = ("auto", "xla", "pallas")
+
+# Attention implementations (specjax.attention dispatches on these names).
+XLA = "xla"
+RAGGED_TPU = "ragged_paged_tpu"  # jax.experimental.pallas.ops.tpu.ragged_paged_attention
+PAGED_DECODE_GPU = "paged_decode_gpu"  # jax.experimental.pallas.ops.gpu.paged_attention's kernel, T == 1 rows
+
+
+def platform() -> str:
+    """"tpu", "gpu" or "cpu" (CUDA and ROCm count as "gpu")."""
+    backend = jax.default_backend()
+    return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+
+
+def _choice(env: str) -> str:
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{env} must be one of {CHOICES}, got {value!r}")
+    if value == "pallas" and platform() not in ("tpu", "gpu"):
+        raise ValueError(f"{env}=pallas needs a TPU or GPU backend, got {jax.default_backend()!r} "
+                         "(Pallas kernels run on CPU only in interpret mode, for tests)")
+    return value
+
+
+def attention_backend(num_query_tokens: int | None = None) -> str:
+    """The attention implementation for rows of ``num_query_tokens`` (static T; None = any width)."""
+    if _choice(ATTENTION_ENV) == XLA:
+        return XLA
+    plat = platform()
+    if plat == "tpu":
+        return RAGGED_TPU
+    if plat == "gpu" and num_query_tokens == 1:
+        return PAGED_DECODE_GPU
+    return XLA
 
 
 def use_pallas_sampler() -> bool:
-    """True when the engine's rejection sampler should run the fused Pallas kernel.
+    """True when the engine's rejection sampler should run the fused Pallas kernel."""
+    choice = _choice(SAMPLER_ENV)
+    if choice != "auto":
+        return choice == "pallas"
+    return platform() == "tpu"
 
-    TPU only for now: the kernel's blocks span the whole vocabulary, which Mosaic
-    accepts and Triton (GPU) does not.
-    """
-    return jax.default_backend() == "tpu"
+
+def sampler_kernel_platform() -> str:
+    """Which kernel bodies (and block sizes) the rejection kernel uses: "tpu" on TPU, else "gpu"."""
+    return "tpu" if platform() == "tpu" else "gpu"
+
+
+def describe() -> dict[str, str]:
+    """What runs here, for logs and benchmark records."""
+    return {
+        "platform": platform(),
+        "attention_decode": attention_backend(1),
+        "attention_multi_token": attention_backend(None),
+        "sampler": "pallas_" + sampler_kernel_platform() if use_pallas_sampler() else "xla",
+        ATTENTION_ENV: os.environ.get(ATTENTION_ENV, "auto"),
+        SAMPLER_ENV: os.environ.get(SAMPLER_ENV, "auto"),
+    }

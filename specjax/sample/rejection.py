@@ -105,7 +105,7 @@ def conditional_acceptance_rates(rates) -> np.ndarray:
     return np.clip(c, 0.0, 1.0).astype(np.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "use_kernel", "interpret"))
+@functools.partial(jax.jit, static_argnames=("method", "use_kernel", "interpret", "kernel_platform"))
 def rejection_sample_jit(
     draft_token_ids: jax.Array,  # int32 [B, K]
     num_draft_tokens: jax.Array,  # int32 [B]
@@ -120,12 +120,15 @@ def rejection_sample_jit(
     method: str = "standard",
     use_kernel: bool = False,
     interpret: bool = False,
+    kernel_platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Jit-friendly core for use inside an engine step: no value validation, arrays only.
 
     Returns (output ids int32 [B, K+1], accepted draft count int32 [B]). Row keys
     must already be per row; synthetic rates already conditional
-    (:func:`conditional_acceptance_rates`).
+    (:func:`conditional_acceptance_rates`). ``use_kernel``: the V-tiled Pallas kernel
+    (:func:`pallas_kernels.rejection.rejection_sample_kernel`), with the kernel bodies
+    of ``kernel_platform`` ("tpu" / "gpu"; None: :func:`specjax.backends.sampler_kernel_platform`).
     """
     b, k = draft_token_ids.shape
     vocab = target_logits.shape[-1]
@@ -135,7 +138,17 @@ def rejection_sample_jit(
     args = (draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, top_k, top_p,
             uniforms, exps, conditional_rates)
     if use_kernel:
-        return rejection_sample_kernel(*args, method=method, interpret=interpret)
+        if kernel_platform is None:
+            from specjax.backends import sampler_kernel_platform
+
+            kernel_platform = sampler_kernel_platform()
+        kernel = functools.partial(rejection_sample_kernel, method=method, interpret=interpret,
+                                   platform=kernel_platform)
+        if method == "synthetic":
+            return kernel(*args)
+        # All-greedy batches: one argmax pass instead of the kernel's softmax statistics; same outputs.
+        return jax.lax.cond(any_random, lambda: kernel(*args),
+                            lambda: greedy_verify_reference(draft_token_ids, num_draft_tokens, target_logits))
     if method == "synthetic":
         return rejection_sample_reference(*args, method=method)
     # Token-wise verification has a batched XLA path with the reference's exact arithmetic.
@@ -232,6 +245,7 @@ def rejection_sample_with_counts(
     synthetic_acceptance_rates=None,  # float [K]
     use_kernel: bool | None = None,
     interpret: bool = False,
+    kernel_platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Like :func:`rejection_sample`, also returning the accepted draft count ``int32 [B]``.
 
@@ -255,10 +269,13 @@ def rejection_sample_with_counts(
         rates = jnp.asarray(conditional_acceptance_rates(synthetic_acceptance_rates))
     if use_kernel is None:
         use_kernel = default_use_kernel()
+    if kernel_platform is not None and kernel_platform not in ("tpu", "gpu"):
+        raise ValueError(f"kernel_platform must be 'tpu', 'gpu' or None, got {kernel_platform!r}")
     return rejection_sample_jit(
         draft.astype(jnp.int32), num.astype(jnp.int32), logits, probs, temp.astype(jnp.float32),
         None if tk is None else tk.astype(jnp.int32), None if tp is None else tp.astype(jnp.float32),
-        keys, rates, method=method, use_kernel=bool(use_kernel), interpret=bool(interpret))
+        keys, rates, method=method, use_kernel=bool(use_kernel), interpret=bool(interpret),
+        kernel_platform=kernel_platform)
 
 
 def rejection_sample(
@@ -273,8 +290,9 @@ def rejection_sample(
     key,  # PRNG key, or per-row keys [B] / raw uint32 [B, 2]
     method: str = "standard",  # "standard" | "synthetic" | "block"
     synthetic_acceptance_rates=None,  # float [K], method="synthetic"
-    use_kernel: bool | None = None,  # None: kernel on TPU, jnp elsewhere
+    use_kernel: bool | None = None,  # None: specjax.backends.use_pallas_sampler()
     interpret: bool = False,  # run the Pallas kernel in interpret mode (tests on CPU)
+    kernel_platform: str | None = None,  # kernel bodies "tpu" / "gpu"; None: from the backend
 ) -> jax.Array:
     """Verify draft tokens against the target and return committed ids ``int32 [B, K+1]``.
 
@@ -307,5 +325,5 @@ def rejection_sample(
     out, _ = rejection_sample_with_counts(
         draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature=temperature, top_k=top_k,
         top_p=top_p, key=key, method=method, synthetic_acceptance_rates=synthetic_acceptance_rates,
-        use_kernel=use_kernel, interpret=interpret)
+        use_kernel=use_kernel, interpret=interpret, kernel_platform=kernel_platform)
     return out
