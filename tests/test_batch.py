@@ -327,7 +327,9 @@ def test_speculative_job_reports_acceptance(tmp_path, tiny):
         m = r["metrics"]
         assert m["num_spec_steps"] > 0 and m["num_accepted_tokens"] == m["num_draft_tokens"] > 0
         assert m["acceptance_rate"] == 1.0
-    assert summary["acceptance_rate"] == 1.0 and summary["mean_acceptance_length"] > 2
+    # Every spec step verified at least one draft and all were accepted: at least 2 tokens per step (more with K > 1,
+    # which the engine's K controller may or may not pick).
+    assert summary["acceptance_rate"] == 1.0 and summary["mean_acceptance_length"] >= 2
     assert summary["runs"][0]["llm_metrics"]["acceptance_rate"] == 1.0
 
 
