@@ -1,4 +1,4 @@
-"""Chat messages -> one prompt string, with the model's own chat template (shared by ``specjax batch`` and ``LLM.chat``).
+"""Chat messages -> one prompt string with the model's chat template (shared by ``specjax batch`` and ``LLM.chat``).
 
 API::
 
@@ -7,7 +7,8 @@ API::
     ids = tokenizer.encode(text, add_special_tokens=template.add_special_tokens).ids
 
 The template is the model's jinja template (``chat_template.jinja``, else
-``chat_template`` in ``tokenizer_config.json``; a GGUF file's ``tokenizer.chat_template``), rendered the way transformers'
+``chat_template`` in ``tokenizer_config.json``; a GGUF file's
+``tokenizer.chat_template``), rendered the way transformers'
 ``apply_chat_template`` renders it: a sandboxed jinja2 environment with
 ``trim_blocks``/``lstrip_blocks``, loop controls, ``raise_exception``,
 ``strftime_now`` and a ``tojson`` that keeps non-ASCII text. The rendered text

@@ -14,7 +14,8 @@ logger = logging.getLogger("specjax")
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory or builtin:<name>; default: the shipped pair with speculation")
+                   help="Hugging Face model directory, GGUF file or builtin:<name>; default: the shipped pair with "
+                        "speculation")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=8)
@@ -42,7 +43,8 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--ngram-prompt-lookup-* alone adjust the one in use (the --config file's, or the shipped pair's).",
     )
     g.add_argument("--speculative-config", type=_json_object, default=None,
-                   help='JSON object of SpeculativeConfig fields, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                   help="JSON object of SpeculativeConfig fields, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     g.add_argument("--draft-model", "--speculative-model", dest="draft_model", default=None,
                    help="draft model or head directory (speculative_config.model; '[ngram]' means method ngram)")
     g.add_argument("--speculative-method", default=None,
@@ -60,8 +62,11 @@ def speculative_config_from_args(args: argparse.Namespace, base: dict | None = N
     name the method or the draft model, which starts a new config.
     """
     # field -> (how the user spelled it, value)
-    given = {field: (f"{flag} {getattr(args, dest)}", getattr(args, dest)) for dest, (flag, field) in _SPEC_FLAGS.items()
-             if getattr(args, dest, None) is not None}
+    given = {}
+    for dest, (flag, field) in _SPEC_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            given[field] = (f"{flag} {value}", value)
     whole = getattr(args, "speculative_config", None)
     if given.get("model", (None, None))[1] == "[ngram]":  # older vLLM's spelling of the ngram proposer
         spelled, _ = given.pop("model")
@@ -166,7 +171,7 @@ def speculation_report(method: str, metrics) -> str:
         drafted = metrics["num_drafts"]
     parts = []
     if steps is not None and spec_steps is not None:
-        parts.append(f"{spec_steps} of {steps} steps verified drafts, {steps - spec_steps} had none")
+        parts.append(f"{spec_steps} of {steps} steps verified drafts, {max(steps - spec_steps, 0)} had none")
     if drafted == 0:
         parts.append("nothing was drafted, every token came from the target alone")
     elif drafted:
@@ -297,7 +302,8 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", required=True, help="JSONL results; rerunning the same command resumes it")
     p.add_argument("--config", default=None, help="YAML file of LLM arguments (configs/*.yaml); flags override it")
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory or builtin:<name>; default: the shipped pair with speculation")
+                   help="Hugging Face model directory, GGUF file or builtin:<name>; default: the shipped pair with "
+                        "speculation")
     _add_speculative_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -67,7 +67,8 @@ def test_one_field_flags_adjust_the_config_in_use(tmp_path):
     assert kwargs("--config", str(cfg), "--speculative-method", "ngram", "--num-speculative-tokens", "3")[
         "speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
     # No model anywhere: the shipped pair, whose speculative config the flag adjusts.
-    assert kwargs("--num-speculative-tokens", "2")["speculative_config"] == {**DEFAULT_SPEC, "num_speculative_tokens": 2}
+    assert kwargs("--num-speculative-tokens", "2")["speculative_config"] == {
+        **DEFAULT_SPEC, "num_speculative_tokens": 2}
     assert kwargs("--config", str(cfg))["speculative_config"]["num_speculative_tokens"] == 4  # no flag: as written
     with pytest.raises(ValueError, match="needs a speculative method"):
         kwargs("--model", "m", "--num-speculative-tokens", "2")

@@ -98,7 +98,8 @@ def test_generate_refuses_hostile_prompts_by_name_and_stays_usable(llm):  # noqa
     before = [o.outputs[0].token_ids for o in llm.generate([good, "def f(x):"], params, use_tqdm=False)]
     for bad, message in [
         ("a\udc80", r"^prompts\[1\]\.prompt is not valid Unicode"),
-        ({"prompt_token_ids": [1, 1000000000, 9223372036854775813]}, r"^prompts\[1\]\.prompt_token_ids has ids outside"),
+        ({"prompt_token_ids": [1, 1000000000, 9223372036854775813]},
+         r"^prompts\[1\]\.prompt_token_ids has ids outside"),
         ({"prompt_token_ids": [1, 2**200]}, r"^prompts\[1\]\.prompt_token_ids has ids outside"),
         ({"prompt": ["x"]}, r"^prompts\[1\]\.prompt must be a str"),
         (None, r"^prompts\[1\] must be a str or a dict"),
