@@ -122,6 +122,19 @@ def _gpu_load(ref, rows, start, tile, mask, other):
     return plgpu.load(ref.at[pl.ds(0, rows), pl.ds(start, tile)], mask=mask, other=other)
 
 
+def _gpu_tile_coords(rows, tiles_per_split, tile, num_rows, vocab):
+    """For tile j of this program's share: (float32 vocabulary index, valid) of a [rows, tile] tile whose
+    first ``num_rows`` positions are real."""
+    pos = jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 0)
+    vidx = jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1) + pl.program_id(1) * tiles_per_split * tile
+
+    def at(j):
+        v = vidx + j * tile
+        return v.astype(jnp.float32), (pos < num_rows) & (v < vocab)
+
+    return at
+
+
 def _gpu_store_col(ref, value, num_rows):
     from jax.experimental.pallas import triton as plgpu
 
@@ -137,22 +150,19 @@ def _stats_kernel_gpu(logits_ref, draft_ref, temp_ref, *refs, k1, rows, vocab, t
 
     q_ref = refs[0] if has_q else None
     outs = refs[1:] if has_q else refs
-    split = pl.program_id(1)
-    pos = jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 0)
-    lane = jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
+    split = pl.program_id(1)  # read outside loops: interpret mode substitutes it at the kernel's top level only
+    coords, q_coords = (_gpu_tile_coords(rows, tiles_per_split, tile, n, vocab) for n in (k1, k1 - 1))
     pos_col = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     draft = plgpu.load(draft_ref.at[pl.ds(0, rows), :], mask=pos_col < k1, other=-1).astype(jnp.float32)
     temp = temp_ref[...]
 
     def body(j, state):
         start = (split * tiles_per_split + j) * tile
-        vidx = lane + start
-        valid = (pos < k1) & (vidx < vocab)
+        vidx, valid = coords(j)
         x = _gpu_load(logits_ref, rows, start, tile, valid, 0.0)
-        vidx = vidx.astype(jnp.float32)
         new = tiles.stats_tile(state[:5], x, draft, temp, vidx, valid)
         if has_q:
-            q_valid = valid & (pos < k1 - 1)
+            q_valid = q_coords(j)[1]
             q = _gpu_load(q_ref, rows, start, tile, q_valid, 0.0)
             new = new + (tiles.qdraft_tile(state[5], q, draft, vidx, q_valid),)
         return new
@@ -173,8 +183,7 @@ def _residual_kernel_gpu(logits_ref, draft_ref, temp_ref, m_ref, z_ref, bigp_ref
     q_ref = refs[0] if has_q else None
     out_ref = refs[-1]
     split = pl.program_id(1)
-    pos = jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 0)
-    lane = jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
+    coords = _gpu_tile_coords(rows, tiles_per_split, tile, k, vocab)
     col_mask = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < k
     load_col = lambda ref, other: plgpu.load(ref.at[pl.ds(0, rows), :], mask=col_mask, other=other)  # noqa: E731
     m, z, big_p = load_col(m_ref, 0.0), load_col(z_ref, 1.0), load_col(bigp_ref, 0.0)
@@ -183,13 +192,12 @@ def _residual_kernel_gpu(logits_ref, draft_ref, temp_ref, m_ref, z_ref, bigp_ref
 
     def body(j, zres):
         start = (split * tiles_per_split + j) * tile
-        vidx = lane + start
-        valid = (pos < k) & (vidx < vocab)
+        vidx, valid = coords(j)
         x = _gpu_load(logits_ref, rows, start, tile, valid, 0.0)
         if has_q:
             q = _gpu_load(q_ref, rows, start, tile, valid, 0.0)
         else:
-            q = (vidx.astype(jnp.float32) == draft).astype(jnp.float32)
+            q = (vidx == draft).astype(jnp.float32)
         return tiles.residual_mass_tile(zres, x, q, m, z, big_p, temp, valid)
 
     zres = jax.lax.fori_loop(0, tiles_per_split, body, jnp.zeros((rows, 1), jnp.float32))

@@ -388,3 +388,13 @@ def test_kernel_lowers_for_tpu_mosaic():
     finally:
         del tpu_info.registry["cpu"]
     assert text.count("tpu_custom_call") == 3
+
+
+def test_pallas_kernels_import_nothing_from_specjax():
+    import subprocess
+    import sys
+
+    code = ("import sys, pallas_kernels.rejection, pallas_kernels.sampling_ops; "
+            "bad = sorted(m for m in sys.modules if m == 'specjax' or m.startswith('specjax.')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
