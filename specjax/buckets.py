@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -44,6 +45,42 @@ class CompiledBuckets:
             self._compiled[bucket] = exe
             logger.info("compiled %s for bucket %s in %.2fs", self.name, bucket, elapsed)
         return exe
+
+
+CACHE_ENV = "SPECJAX_COMPILATION_CACHE"
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/specjax/xla`` (``~/.cache/specjax/xla`` when XDG_CACHE_HOME is unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "specjax", "xla")
+
+
+def enable_persistent_cache(setting: bool | str | os.PathLike | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache for this process; returns its directory (None = off).
+
+    ``setting``: None = on in :func:`default_cache_dir` unless the environment variable
+    ``SPECJAX_COMPILATION_CACHE`` is ``0`` (or names another directory); False = leave JAX as it is;
+    True = on in the default directory; a path = on there. A cache directory the user already gave JAX
+    (``jax_compilation_cache_dir``) is never replaced. A second run of the same configuration then loads
+    its executables from disk instead of compiling them.
+    """
+    if setting is None:
+        env = os.environ.get(CACHE_ENV)
+        if env is not None and env.strip().lower() in ("0", "false", "off", "no", ""):
+            return None
+        setting = env if env and env.strip().lower() not in ("1", "true", "on", "yes") else True
+    if setting is False:
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = default_cache_dir() if setting is True else os.fspath(setting)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Engine executables compile in well under JAX's default 1 s threshold on small models: cache them all.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    logger.info("persistent compilation cache: %s", path)
+    return path
 
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

@@ -212,8 +212,14 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     synthetic_acceptance_rates: tuple[float, ...] | None = None
     synthetic_acceptance_length: float | None = None
-    draft_sample_method: str = "greedy"
+    draft_sample_method: str | None = None
+    """How model drafts are drawn for requests that sample: "probabilistic" (from the draft's own
+    distribution, transformed as the target's is), "greedy" (argmax), or None = probabilistic when the
+    method can (greedy requests always draft greedily)."""
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    adaptive: bool | None = None
+    """Choose K in 0..num_speculative_tokens every step from measured step costs and acceptance (see
+    :mod:`specjax.spec_decode.controller`); None = on unless num_speculative_tokens_per_batch_size is given."""
     max_model_len: int | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
@@ -277,9 +283,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"rejection_sample_method must be one of {list(REJECTION_METHODS)}, got {self.rejection_sample_method!r}"
             )
-        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        if self.draft_sample_method is not None and self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(
-                f"draft_sample_method must be one of {list(DRAFT_SAMPLE_METHODS)}, got {self.draft_sample_method!r}"
+                f"draft_sample_method must be one of {list(DRAFT_SAMPLE_METHODS)} or None, got "
+                f"{self.draft_sample_method!r}"
             )
         synthetic = self.rejection_sample_method == "synthetic"
         rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
@@ -332,11 +339,19 @@ class SpeculativeConfig:
             raise ValueError(f"use_heterogeneous_vocab must be a bool, got {self.use_heterogeneous_vocab!r}")
         if self.use_heterogeneous_vocab and method != "draft_model":
             raise ValueError(f"use_heterogeneous_vocab=True needs method='draft_model', got method={method!r}")
-        if self.use_heterogeneous_vocab and self.draft_sample_method != "greedy":
+        if self.use_heterogeneous_vocab and self.draft_sample_method == "probabilistic":
             raise ValueError(
-                "use_heterogeneous_vocab=True drafts greedily only: draft_sample_method must be 'greedy', "
+                "use_heterogeneous_vocab=True drafts greedily only: draft_sample_method must be 'greedy' or None, "
                 f"got {self.draft_sample_method!r}"
             )
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool or None, got {self.adaptive!r}")
+        if self.adaptive and self.num_speculative_tokens_per_batch_size is not None:
+            raise ValueError(
+                "adaptive=True and num_speculative_tokens_per_batch_size both choose K: give one of them"
+            )
+        set_("adaptive", self.num_speculative_tokens_per_batch_size is None if self.adaptive is None
+             else self.adaptive)
 
     def k_for_batch_size(self, batch_size: int) -> int:
         """K for a step of ``batch_size`` running rows (the dynamic-K schedule; K outside all ranges)."""

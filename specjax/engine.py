@@ -1,7 +1,10 @@
-"""One engine step: schedule -> padded batch -> compiled step -> commit.
+"""One engine step: schedule -> pick K -> padded batch -> one compiled call -> one fetch -> commit.
 
-``ModelRunner`` owns the device side (params, paged KV, compiled buckets);
-``Engine`` owns the host side (scheduler, requests) and moves tokens between them.
+``StepRunner`` owns the device side: the parameters (target and proposer), the
+:class:`~specjax.step.DecodeState` and one compiled executable per bucket
+(rows, query length, K). ``Engine`` owns the host side: the scheduler and its
+per-slot buffers, the proposer's host half and the statistics. Neither names a
+speculative method: everything method-specific sits behind the proposer.
 """
 
 from __future__ import annotations
@@ -11,204 +14,181 @@ import functools
 import logging
 import time
 
-import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from models.llama import LlamaConfig, forward
+from models.llama import LlamaConfig
 from specjax.buckets import CompiledBuckets
-from specjax.config import EngineConfig, bucket_for
-from specjax.kv_cache import AttentionMetadata, KVCache
-from specjax.metrics import LatencyStats
-from specjax.parallel.sharding import ShardingPlan, make_mesh
-from specjax.sample.transforms import argmax_last, sample_tokens
-from specjax.scheduler import Request, ScheduledRow, Scheduler
+from specjax.config import EngineConfig, SpeculativeConfig, bucket_for
+from specjax.kv_cache import KVCache
+from specjax.metrics import LatencyStats, SpecDecodeStats
+from specjax.parallel.sharding import ShardingPlan
+from specjax.sample.rejection import conditional_acceptance_rates, default_use_kernel
+from specjax.scheduler import Request, Scheduler
+from specjax.spec_decode.controller import ControllerConfig, SpeculationController
+from specjax.spec_decode.proposer import Proposer
+from specjax.step import DecodeState, StepBatch, StepSpec, decode_step, propose_phase, sample_phase, update_phase, \
+    verify_phase
 
 logger = logging.getLogger(__name__)
 
-
-@flax.struct.dataclass
-class StepInputs:
-    """A padded ``[B, T]`` step. Padding rows/tokens write no KV and their outputs are discarded."""
-
-    tokens: jax.Array
-    """int32 [B, T]: token ids (0 in padding)."""
-    positions: jax.Array
-    """int32 [B, T]: absolute positions (0 in padding)."""
-    slot_mapping: jax.Array
-    """int32 [B, T]: KV slot per token; -1 = padding, not written."""
-    block_tables: jax.Array
-    """int32 [B, M]: each row's KV blocks; -1 = unused."""
-    last_index: jax.Array
-    """int32 [B]: index in T of each row's last real token (its logits are sampled)."""
-    temperature: jax.Array
-    """float32 [B]: 0 = greedy (also for padding rows)."""
-    top_k: jax.Array
-    """int32 [B]: 0 = off."""
-    top_p: jax.Array
-    """float32 [B]: 1 = off."""
-    seed_streams: jax.Array
-    """uint32 [B]: 0 = user seed, 1 = engine-derived seed."""
-    seeds: jax.Array
-    """uint32 [B]: per-request seed."""
-    sample_indices: jax.Array
-    """int32 [B]: output position of the token being sampled (keys the noise)."""
-
-    @classmethod
-    def zeros(cls, batch: int, length: int, max_blocks: int) -> "StepInputs":
-        """Host (numpy) buffers for one bucket, filled with the padding values."""
-        i32 = np.int32
-        return cls(
-            tokens=np.zeros((batch, length), i32),
-            positions=np.zeros((batch, length), i32),
-            slot_mapping=np.full((batch, length), -1, i32),
-            block_tables=np.full((batch, max_blocks), -1, i32),
-            last_index=np.zeros((batch,), i32),
-            temperature=np.zeros((batch,), np.float32),
-            top_k=np.zeros((batch,), i32),
-            top_p=np.ones((batch,), np.float32),
-            seed_streams=np.zeros((batch,), np.uint32),
-            seeds=np.zeros((batch,), np.uint32),
-            sample_indices=np.zeros((batch,), i32),
-        )
+Bucket = tuple[int, int, int]  # (rows, catch-up length, K)
 
 
-def row_keys(seed_streams: jax.Array, seeds: jax.Array, sample_indices: jax.Array) -> jax.Array:
-    """Typed keys [B]: fold_in(fold_in(fold_in(key(0), stream), seed), output_index).
-
-    Depends only on the request (never on its row or batch), so seeded output is batch-invariant
-    and a recomputed (preempted) request draws the same noise.
-    """
-    base = jax.random.key(0)
-    return jax.vmap(
-        lambda st, s, i: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, st), s), i)
-    )(seed_streams, seeds, sample_indices)
-
-
-def sample_rows(logits: jax.Array, inputs: StepInputs) -> jax.Array:
-    """Sample one token per row of ``logits [B, V]``; skips the sort when no row filters."""
-    temperature, top_k, top_p = inputs.temperature, inputs.top_k, inputs.top_p
-    keys = row_keys(inputs.seed_streams, inputs.seeds, inputs.sample_indices)
-    random_rows = temperature > 0
-    filtering = jnp.any(random_rows & ((top_k > 0) | (top_p < 1.0)))
-
-    def with_filters():
-        return sample_tokens(logits, temperature, top_k, top_p, keys)
-
-    def without_filters():
-        return sample_tokens(logits, temperature, None, None, keys)
-
-    def greedy_only():
-        return argmax_last(logits)
-
-    return jax.lax.cond(
-        jnp.any(random_rows), lambda: jax.lax.cond(filtering, with_filters, without_filters), greedy_only
-    )
-
-
-def decode_step(
-    params, kv_cache: KVCache, inputs: StepInputs, *, config: LlamaConfig
-) -> tuple[jax.Array, KVCache]:
-    """Forward a padded step through the target and sample each row's next token.
-
-    Returns (int32 [B] next tokens, new KV cache). The cache argument is donated.
-    """
-    md = AttentionMetadata(slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables)
-    logits, _, kv_cache = forward(
-        params, inputs.tokens, inputs.positions, kv_cache, md, config=config, logits_indices=inputs.last_index[:, None]
-    )
-    return sample_rows(logits[:, 0], inputs), kv_cache
-
-
-class ModelRunner:
-    """Device side: parameters, the paged KV cache and the compiled step of every bucket."""
+class StepRunner:
+    """Device side: parameters, decode state and the compiled step of every bucket."""
 
     def __init__(
-        self, model_config: LlamaConfig, params, engine_config: EngineConfig, *, kv_dtype,
-        plan: ShardingPlan | None = None,
+        self, model_config: LlamaConfig, params, proposer: Proposer, engine_config: EngineConfig, *,
+        spec: SpeculativeConfig | None, kv_dtype, plan: ShardingPlan, profile: bool = False,
     ):
+        """``profile``: also build each step's four phases as separate executables and run steps through
+        them with a sync after each, timing draft (propose + update), verify and sample; slower, for
+        measurement only (its executables compile on first use and are not counted)."""
         self.model_config = model_config
         self.engine_config = engine_config
-        self.plan = plan if plan is not None else ShardingPlan(mesh=make_mesh(), tp=1)
-        self.param_shardings = self.plan.params(params, model_config)
-        self.kv_sharding = self.plan.kv(model_config)
-        self.params = jax.device_put(params, self.param_shardings)
-        self.kv_cache = KVCache.allocate(
-            num_layers=model_config.num_hidden_layers,
-            num_blocks=engine_config.total_kv_blocks,
-            block_size=engine_config.block_size,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_dim=model_config.head_dim,
-            dtype=kv_dtype,
-            sharding=self.kv_sharding,
+        self.plan = plan
+        self.proposer = proposer
+        target_shardings = plan.params(params, model_config)
+        self.param_shardings = (target_shardings, proposer.param_shardings(plan))
+        self.params = (jax.device_put(params, target_shardings), proposer.params)
+        cfg = engine_config
+        kv = plan.kv(model_config)
+        self.state_shardings = DecodeState(target_kv=kv, proposer=proposer.state_shardings(plan))
+        self.state = DecodeState(
+            target_kv=KVCache.allocate(
+                num_layers=model_config.num_hidden_layers, num_blocks=cfg.total_kv_blocks,
+                block_size=cfg.block_size, num_kv_heads=model_config.num_key_value_heads,
+                head_dim=model_config.head_dim, dtype=kv_dtype, sharding=kv,
+            ),
+            proposer=proposer.init_state(num_slots=cfg.max_num_seqs, num_kv_blocks=cfg.total_kv_blocks,
+                                         block_size=cfg.block_size, kv_dtype=kv_dtype, plan=plan),
         )
-        rows = self.plan.rows
-        jitted = jax.jit(
-            functools.partial(decode_step, config=model_config), donate_argnums=(1,),
-            in_shardings=(self.param_shardings, self.kv_sharding, rows), out_shardings=(rows, self.kv_sharding),
-        )
-        self.decode = CompiledBuckets("decode_step", jitted, self._example_args)
+        method = spec.rejection_sample_method if spec is not None else "standard"
+        rates = (conditional_acceptance_rates(spec.synthetic_acceptance_rates)
+                 if spec is not None and method == "synthetic" else None)
+        self.spec = StepSpec(config=model_config, proposer=proposer, method=method, rates=rates,
+                             use_kernel=default_use_kernel())
+        # Detached plain steps: the target alone; the proposer's state passes through untouched.
+        self.plain_spec = dataclasses.replace(self.spec, proposer=Proposer())
+        rows = plan.rows
 
-    def _example_args(self, bucket: tuple[int, int]):
-        batch, length = bucket
-        inputs = StepInputs.zeros(batch, length, self.engine_config.blocks_per_seq)
-        return self.params, self.kv_cache, inputs
+        def compiled(name: str, spec: StepSpec) -> CompiledBuckets:
+            jitted = jax.jit(functools.partial(decode_step, spec), donate_argnums=(1,),
+                             in_shardings=(self.param_shardings, self.state_shardings, rows),
+                             out_shardings=(rows, self.state_shardings))
+            return CompiledBuckets(name, jitted, self._example_args)
 
-    @property
-    def buckets(self) -> list[tuple[int, int]]:
-        cfg = self.engine_config
-        return [(b, t) for b in cfg.row_buckets for t in cfg.length_buckets]
+        self.executables = compiled("decode_step", self.spec)
+        self.detached = compiled("plain_step", self.plain_spec)
+        self._host_batches: dict[Bucket, StepBatch] = {}
+        self.compiled_last_run = False
+        """The last :meth:`run` compiled its executable first (its wall time is not a step's cost)."""
+        self.profile = profile
+        self.phase_seconds = {"draft": 0.0, "verify": 0.0, "sample": 0.0}
+        """Time per phase (``profile=True`` only): draft = propose + after-verify update."""
+        if profile:
+            self._phases = {
+                detached: {
+                    "propose": jax.jit(functools.partial(propose_phase, spec), donate_argnums=(1,)),
+                    "verify": jax.jit(functools.partial(verify_phase, spec), donate_argnums=(1,)),
+                    "sample": jax.jit(functools.partial(sample_phase, spec)),
+                    "update": jax.jit(functools.partial(update_phase, spec), donate_argnums=(1,)),
+                }
+                for detached, spec in ((False, self.spec), (True, self.plain_spec))
+            }
 
-    def warmup(self) -> None:
-        """Compile every (rows, query length) bucket now, so generation compiles nothing.
+    def host_batch(self, bucket: Bucket) -> StepBatch:
+        """The bucket's preallocated host buffers, reset to padding (the previous step's fetch has completed)."""
+        batch = self._host_batches.get(bucket)
+        if batch is None:
+            rows, length, k = bucket
+            batch = self._host_batches[bucket] = StepBatch.zeros(rows, length, k, self.engine_config.blocks_per_seq)
+        for name in batch.__dataclass_fields__:
+            getattr(batch, name)[...] = _PADDING[name]
+        return batch
 
-        Each executable also runs once on an all-padding step (it writes no KV):
-        a first execution costs extra (allocation, thread start-up), and the
-        first real steps should not pay it.
+    def _example_args(self, bucket: Bucket):
+        rows, length, k = bucket
+        return self.params, self.state, StepBatch.zeros(rows, length, k, self.engine_config.blocks_per_seq)
+
+    def run(self, batch: StepBatch, detached: bool = False) -> np.ndarray:
+        """Run one padded step; the one host fetch: int32 [B, K+2] (tokens, then the accepted count).
+
+        ``detached``: a plain step of the target alone (K must be 0): the proposer's state is not updated.
         """
-        for bucket in self.buckets:
-            exe = self.decode.get(bucket)
-            _, self.kv_cache = exe(self.params, self.kv_cache, self._example_args(bucket)[2])
+        compiles = self.num_compiles
+        if self.profile:
+            packed = self._run_phases(batch, detached)
+        else:
+            exe = (self.detached if detached else self.executables).get(_bucket_of(batch))
+            packed, self.state = exe(self.params, self.state, batch)
+            packed = np.asarray(packed)
+        self.compiled_last_run = self.num_compiles != compiles
+        return packed
+
+    def _run_phases(self, batch: StepBatch, detached: bool) -> np.ndarray:
+        phase, params, timer = self._phases[detached], self.params, time.perf_counter
+        t0 = timer()
+        drafts, q, state = jax.block_until_ready(phase["propose"](params, self.state, batch))
+        t1 = timer()
+        logits, features, state = jax.block_until_ready(phase["verify"](params, state, batch, drafts))
+        t2 = timer()
+        out, accepted = jax.block_until_ready(phase["sample"](batch, drafts, q, logits))
+        t3 = timer()
+        packed, self.state = phase["update"](params, state, batch, drafts, features, out, accepted)
+        packed = np.asarray(packed)
+        t4 = timer()
+        self.phase_seconds["draft"] += (t1 - t0) + (t4 - t3)
+        self.phase_seconds["verify"] += t2 - t1
+        self.phase_seconds["sample"] += t3 - t2
+        return packed
+
+    def warmup(self, buckets: list[tuple[Bucket, bool]], *, progress: bool = True) -> None:
+        """Compile each ``(bucket, detached)`` now and run it once on an all-padding step (it writes nothing).
+
+        A first execution costs extra (allocation, thread start-up), and the first real steps should
+        not pay it. ``progress`` shows a progress bar on stderr while compiling.
+        """
+        bar = None
+        if progress and len(buckets) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(buckets), desc="specjax: compiling steps", unit="exe", leave=False)
+        try:
+            for bucket, detached in buckets:
+                self.run(self.host_batch(bucket), detached)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def time_step(self, bucket: Bucket, detached: bool, repeats: int = 3) -> float:
+        """Median wall time of an all-padding step of ``bucket`` (compiled already), fetch included."""
+        times = []
+        for _ in range(repeats):
+            batch = self.host_batch(bucket)
+            start = time.perf_counter()
+            self.run(batch, detached)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
 
     @property
     def num_compiles(self) -> int:
-        return self.decode.num_compiles
+        return self.executables.num_compiles + self.detached.num_compiles
 
     @property
     def compile_seconds(self) -> float:
-        return self.decode.compile_seconds
+        return self.executables.compile_seconds + self.detached.compile_seconds
 
-    def build_inputs(self, rows: list[ScheduledRow], scheduler: Scheduler) -> StepInputs:
-        """Pad ``rows`` into a (rows, query length) bucket: host numpy buffers, one copy to the device."""
-        cfg = self.engine_config
-        batch = bucket_for(len(rows), cfg.row_buckets, "num_seqs")
-        length = bucket_for(max(r.num_new for r in rows), cfg.length_buckets, "query_len")
-        inputs = StepInputs.zeros(batch, length, cfg.blocks_per_seq)
-        for i, row in enumerate(rows):
-            req = row.request
-            n = row.num_new
-            positions = np.arange(row.start, row.start + n, dtype=np.int32)
-            inputs.tokens[i, :n] = req.token_ids(row.start, row.start + n)
-            inputs.positions[i, :n] = positions
-            inputs.slot_mapping[i, :n] = scheduler.blocks.slots(req.request_id, positions)
-            table = scheduler.blocks.table(req.request_id)
-            inputs.block_tables[i, : len(table)] = table
-            inputs.last_index[i] = n - 1
-            params = req.params
-            inputs.temperature[i] = params.temperature
-            inputs.top_k[i] = params.top_k_or_off
-            inputs.top_p[i] = params.top_p
-            inputs.seed_streams[i] = req.seed_stream
-            inputs.seeds[i] = req.seed
-            inputs.sample_indices[i] = len(req.output_token_ids)
-        return inputs
 
-    def run(self, inputs: StepInputs, num_rows: int) -> np.ndarray:
-        """Run the plain step on padded ``inputs``; returns the sampled token of the first ``num_rows`` rows."""
-        exe = self.decode.get(inputs.tokens.shape)
-        next_tokens, self.kv_cache = exe(self.params, self.kv_cache, inputs)
-        return np.asarray(next_tokens)[:num_rows]
+_PADDING = {name: np.asarray(v).flat[0] for name, v in vars(StepBatch.zeros(1, 1, 1, 1)).items()}
+
+
+def _bucket_of(batch: StepBatch) -> Bucket:
+    rows, length = batch.tokens.shape
+    return rows, length, batch.host_drafts.shape[1]
 
 
 @dataclasses.dataclass
@@ -221,26 +201,55 @@ class EngineStats:
     num_finished_requests: int = 0
     num_row_steps: int = 0
     """Sum over steps of the rows that produced tokens (tokens / row-steps = tokens per step per row)."""
+    step_seconds: float = 0.0
+    """Wall time of all steps (host work, the compiled call and its fetch)."""
 
 
 class Engine:
-    """Host loop: add requests, step until done. Finished requests are handed back by ``step``.
+    """Host loop: add requests, step until done. Finished requests are handed back by ``step``."""
 
-    With ``spec`` (a :class:`~specjax.spec_decode.runner.SpecRunner`) each step
-    verifies drafts: from ``proposer`` (host-side) or from the spec runner's draft model.
-    """
-
-    def __init__(self, runner: ModelRunner, config: EngineConfig, *, spec=None, proposer=None):
+    def __init__(self, runner: StepRunner, config: EngineConfig, *, spec: SpeculativeConfig | None):
         self.runner = runner
+        self.proposer = runner.proposer
         self.config = config
-        self.spec = spec
-        self.proposer = proposer
-        lookahead = spec.spec.num_speculative_tokens if spec is not None else 0
-        if spec is not None and spec.has_head:
-            lookahead *= 2  # a head's chained drafts write its KV up to K positions past the verified ones
-        self.scheduler = Scheduler(config, num_lookahead_tokens=lookahead)
+        self.k_max = kmax = spec.num_speculative_tokens if spec is not None else 0
+        self.k_table = spec.k_table(config.max_num_seqs) if spec is not None else (0,) * (config.max_num_seqs + 1)
+        self.controller = None
+        if spec is not None and spec.adaptive:
+            self.controller = SpeculationController(kmax, ControllerConfig(), can_detach=self.proposer.syncs)
+        self.scheduler = Scheduler(config, num_lookahead_tokens=kmax + self.proposer.kv_lookahead(kmax))
         self.stats = EngineStats()
+        self.spec_stats = SpecDecodeStats(kmax) if spec is not None else None
         self.latency = LatencyStats()
+
+    # ------------------------------------------------------------------ buckets
+
+    @property
+    def _decode_length(self) -> int:
+        return self.config.length_buckets[0]
+
+    def buckets(self) -> list[tuple[Bucket, bool]]:
+        """Every (bucket, detached) a step can take: plain steps at each query length, drafting steps at each
+        K, and (with an adaptive controller over a proposer with device state) detached plain decoding steps."""
+        cfg = self.config
+        rows, decode = cfg.row_buckets, self._decode_length
+        out = [((r, t, 0), False) for r in rows for t in cfg.length_buckets]
+        out += [((r, decode, k), False) for r in rows for k in range(1, self.k_max + 1)
+                if self.controller is not None or k <= max(self.k_table)]
+        if self.controller is not None and self.proposer.syncs:
+            out += [((r, decode, 0), True) for r in rows]
+        return out
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Compile every bucket; with a controller, also time each decoding step kind (its cost model)."""
+        buckets = self.buckets()
+        self.runner.warmup(buckets, progress=progress)
+        if self.controller is not None:
+            for (rows, length, k), detached in buckets:
+                if length == self._decode_length:
+                    self.controller.costs.observe((rows, k, detached), self.runner.time_step((rows, length, k), detached))
+
+    # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
         self.stats.num_prompt_tokens += len(request.prompt_token_ids)
@@ -256,39 +265,99 @@ class Engine:
             self._release(request)
 
     def _release(self, request: Request) -> None:
-        if self.proposer is not None:
-            self.proposer.finish(request.request_id, request.prompt_token_ids, request.output_token_ids)
+        self.proposer.finish(request.request_id, request.prompt_token_ids, request.output_token_ids)
+        if self.controller is not None:
+            self.controller.finish(request.request_id)
+
+    # ------------------------------------------------------------------ one step
+
+    def _plan(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
+        """(K, drafts per row, host drafts or None, detached) for a decoding step of ``rows``."""
+        n = len(rows)
+        table = self.scheduler.slots
+        k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
+        # Drafts only where they can commit: never past max_tokens or max_model_len.
+        limits = np.asarray([
+            min(k, r.request.params.max_tokens - len(r.request.output_token_ids) - 1,
+                self.config.max_model_len - r.request.num_tokens - 1) if r.samples else 0
+            for r in rows
+        ], np.int32).clip(0)
+        can_draft = table.synced[slots] & (table.has_drafts[slots] if self.proposer.drafts_ahead else True)
+        limits = np.where(can_draft, limits, 0).astype(np.int32)
+        host_drafts = None
+        if self.proposer.host_side and k:
+            host_drafts = self.proposer.propose_host([r.request.request_id for r in rows],
+                                                     [table.history(s) for s in slots], limits.tolist())
+            limits = np.asarray([len(d) for d in host_drafts], np.int32)
+        detached = False
+        if self.controller is not None:
+            plan = self.controller.decide(
+                bucket_for(n, self.config.row_buckets, "num_seqs"), [r.request.request_id for r in rows],
+                [r.request.params.temperature > 0 for r in rows], limits, can_draft)
+            limits, detached = np.minimum(limits, plan.caps), plan.detached
+        return int(limits.max(initial=0)), limits, host_drafts, detached and self.proposer.syncs
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
+        start_time = time.perf_counter()
         rows = self.scheduler.schedule()
-        k = self.spec.k_table[min(len(rows), len(self.spec.k_table) - 1)] if self.spec is not None else 0
-        if k == 0:
-            inputs = self.runner.build_inputs(rows, self.scheduler)
-            if self.spec is not None and self.spec.has_draft_model:
-                self.spec.sync_draft(inputs)
-            tokens = self.runner.run(inputs, len(rows))
-            outputs = [([t], 0, 0) for t in tokens.tolist()]
-            next_drafts = None
+        n = len(rows)
+        slots = np.asarray([r.request.slot for r in rows], np.int64)
+        starts = np.asarray([r.start for r in rows], np.int64)
+        num_new = np.asarray([r.num_new for r in rows], np.int64)
+        decoding = num_new.max() == 1  # drafts are verified only when every row decodes (prefill steps are plain)
+        if decoding and self.spec_stats is not None:
+            k, num_drafts, host_drafts, detached = self._plan(rows, slots)
         else:
-            outputs, next_drafts = self._speculate(rows, k)
+            k, num_drafts, host_drafts, detached = 0, np.zeros(n, np.int32), None, False
+        cfg = self.config
+        bucket = (bucket_for(n, cfg.row_buckets, "num_seqs"),
+                  bucket_for(int(num_new.max()), cfg.length_buckets, "query_len"), k)
+        batch = self.runner.host_batch(bucket)
+        table = self.scheduler.slots
+        table.fill(batch, slots, starts, num_new,
+                   np.asarray([len(r.request.output_token_ids) for r in rows], np.int64))
+        batch.num_drafts[:n] = num_drafts
+        if host_drafts is not None:
+            for i, d in enumerate(host_drafts):
+                batch.host_drafts[i, : num_drafts[i]] = d[: num_drafts[i]]
+        if detached:
+            table.synced[slots] = False  # the proposer does not see this step's tokens
+        packed = self.runner.run(batch, detached)[:n]  # the step's one host fetch
+        finished = self._commit(rows, packed, num_drafts, k, detached)
+        elapsed = time.perf_counter() - start_time
+        if decoding and self.controller is not None and not self.runner.compiled_last_run:
+            self.controller.costs.observe((bucket[0], k, detached), elapsed)
+        self.stats.num_steps += 1
+        self.stats.step_seconds += elapsed
+        return finished
+
+    def _commit(self, rows, packed: np.ndarray, num_drafts: np.ndarray, k: int, detached: bool) -> list[Request]:
         finished = []
         now = time.perf_counter()
-        for i, (row, (new_tokens, num_drafts, accepted)) in enumerate(zip(rows, outputs)):
+        table = self.scheduler.slots
+        if k and self.spec_stats is not None:
+            self.spec_stats.num_spec_steps += 1
+        for i, row in enumerate(rows):
             request = row.request
+            accepted = int(packed[i, k + 1])
             computed = row.start + row.num_new
+            if self.proposer.drafts_ahead:
+                # The head drafted from this step's features (unless the step ran without it).
+                table.has_drafts[request.slot] = row.samples and not detached
             if not row.samples:
                 request.num_computed_tokens = computed
                 continue
-            # The draft model has not seen its last accepted draft when all drafts were accepted.
-            lag = 1 if (self.spec is not None and self.spec.has_draft_model and 0 < num_drafts == accepted) else 0
             self.stats.num_row_steps += 1
             first = not request.output_token_ids
-            kept = self.scheduler.commit(row, new_tokens, num_computed=computed + accepted - lag)
-            if num_drafts:
-                self.spec.stats.observe(num_drafts, accepted)
+            kept = self.scheduler.commit(row, packed[i, : accepted + 1].tolist(), num_computed=computed + accepted)
+            drafted = int(num_drafts[i])
+            if drafted:
+                self.spec_stats.observe(drafted, accepted)
+                if self.controller is not None:
+                    self.controller.observe(request.request_id, request.params.temperature > 0, drafted, accepted)
                 request.num_spec_steps += 1
-                request.num_draft_tokens += num_drafts
+                request.num_draft_tokens += drafted
                 request.num_accepted_tokens += accepted
             if first:
                 request.first_token_time = now
@@ -299,52 +368,5 @@ class Engine:
             if request.finish_reason is not None:
                 finished.append(request)
                 self._release(request)
-            elif next_drafts is not None:
-                self.proposer.store(request.request_id, request.num_tokens, next_drafts[i])
         self.stats.num_finished_requests += len(finished)
-        self.stats.num_steps += 1
         return finished
-
-    def _speculate(
-        self, rows: list[ScheduledRow], k: int
-    ) -> tuple[list[tuple[list[int], int, int]], np.ndarray | None]:
-        """Draft (host or device), verify and sample.
-
-        Returns per row (new tokens, drafts verified, drafts accepted), and a head's drafts for the next
-        step (int32 [rows, K]; None without a head).
-        """
-        max_len = self.config.max_model_len
-        # Drafts only for rows that reach their end this step, and never past max_model_len.
-        caps = np.asarray(
-            [min(k, max_len - r.request.num_tokens - 1) if r.samples else 0 for r in rows], np.int32
-        ).clip(0)
-        inputs = self.runner.build_inputs(rows, self.scheduler)
-        host_drafts = None
-        if not self.spec.has_draft_model:
-            host_drafts = np.zeros((len(rows), k), np.int32)
-            if self.proposer is not None:
-                t0 = time.perf_counter()
-                proposals = self.proposer.propose(
-                    [r.request.request_id for r in rows],
-                    [np.asarray(r.request.token_ids(0, r.request.num_tokens), np.int32) for r in rows],
-                    caps.tolist(),
-                )
-                self.spec.stats.draft_time_s += time.perf_counter() - t0
-                for i, drafts in enumerate(proposals):
-                    caps[i] = len(drafts)
-                    host_drafts[i, : len(drafts)] = drafts
-                if not caps.any() and not self.spec.has_head:
-                    # Nothing to verify anywhere: a plain step is the same computation on 1 token instead of K+1.
-                    tokens = self.runner.run(inputs, len(rows)).tolist()
-                    return [([t] if r.samples else [], 0, 0) for r, t in zip(rows, tokens)], None
-        next_prompt = None
-        if self.spec.has_head:
-            next_prompt = np.asarray(
-                [-1 if r.samples else r.request.token_ids(r.start + r.num_new, r.start + r.num_new + 1)[0]
-                 for r in rows], np.int32,
-            )
-        out, accepted, next_drafts = self.spec.execute(rows, self.scheduler, inputs, k, caps, host_drafts, next_prompt)
-        return [
-            (out[i, : accepted[i] + 1].tolist() if rows[i].samples else [], int(caps[i]), int(accepted[i]))
-            for i in range(len(rows))
-        ], next_drafts

@@ -57,6 +57,14 @@ class KVCache:
         )
 
 
+def slots_for_positions(block_tables: jax.Array, positions: jax.Array, valid: jax.Array, block_size: int) -> jax.Array:
+    """Flat KV slots of ``positions [B, L]`` through ``block_tables [B, M]``; -1 where not ``valid``."""
+    block_idx = jnp.clip(positions // block_size, 0, block_tables.shape[1] - 1)
+    blocks = jnp.take_along_axis(block_tables, block_idx, axis=1)  # [B, L]
+    slots = blocks * block_size + positions % block_size
+    return jnp.where(valid & (blocks >= 0), slots, -1).astype(jnp.int32)
+
+
 def write_kv(
     k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:

@@ -13,15 +13,16 @@ from typing import Any
 import jax.numpy as jnp
 
 from models.llama import LlamaConfig
-from models.heads import HEAD_METHODS, load_head
 from models.loading import load_hf_model, load_tokenizer, read_generation_eos
+from specjax.buckets import enable_persistent_cache
 from specjax.builtin import DEFAULT_SPEC, DEFAULT_TARGET, resolve_model
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specjax.engine import Engine, ModelRunner
+from specjax.engine import Engine, StepRunner
 from specjax.parallel.sharding import ShardingPlan, make_mesh
 from specjax.prompts import as_prompt_list, parse_prompt
 from specjax.scheduler import Request
-from specjax.spec_decode.runner import SpecRunner
+from specjax.spec_decode.proposer import BuildContext, Proposer
+from specjax.spec_decode.proposer import build as build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,14 @@ class LLM:
 
     Args mirror vLLM's ``LLM``. ``warmup=True`` compiles every static-shape
     bucket up front (the JAX counterpart of CUDA-graph capture), so generation
-    then compiles nothing.
+    then compiles nothing; ``warmup=False`` compiles each bucket on first use.
+    Compiled executables go to JAX's persistent compilation cache
+    (``compilation_cache``: None = on in ``~/.cache/specjax/xla`` unless
+    ``SPECJAX_COMPILATION_CACHE=0``; False = off; a path), so a second run of
+    the same configuration loads them instead of compiling. ``profile=True``
+    runs each step as four separately timed executables and reports
+    ``draft_time_s`` / ``verify_time_s`` / ``sample_time_s`` (slower; the
+    default path has no sync besides the step's one fetch).
 
     ``tensor_parallel_size`` splits target and draft over a ``tp`` mesh axis and
     ``data_parallel_size`` splits each step's rows over a ``dp`` axis (see
@@ -95,6 +103,8 @@ class LLM:
         batch_buckets: Sequence[int] | None = None,
         query_buckets: Sequence[int] | None = None,
         warmup: bool = True,
+        profile: bool = False,
+        compilation_cache: bool | str | os.PathLike | None = None,
     ):
         if model is None:
             # The shipped pair: the trained target, verified against its distilled draft.
@@ -102,6 +112,7 @@ class LLM:
             if speculative_config is None:
                 speculative_config = dict(DEFAULT_SPEC)
         model = resolve_model(model)
+        enable_persistent_cache(compilation_cache)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
@@ -132,83 +143,29 @@ class LLM:
         )
         self.tokenizer = load_tokenizer(os.fspath(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = tuple(read_generation_eos(self.model_path, self.model_config))
-        self.runner = ModelRunner(
-            self.model_config, params, self.engine_config, kv_dtype=_DTYPES[dtype],
-            plan=ShardingPlan(mesh=self.mesh, tp=tensor_parallel_size),
-        )
+        if spec is not None and spec.max_model_len is not None and spec.max_model_len < max_model_len:
+            raise ValueError(
+                f"speculative_config.max_model_len={spec.max_model_len} is below LLM max_model_len="
+                f"{max_model_len}; drafting stops at max_model_len, lower the LLM's instead"
+            )
         self.speculative_config = spec
-        self.spec_runner, proposer = None, None
+        proposer = Proposer()
         if spec is not None:
-            self.spec_runner, proposer = self._build_speculation(spec, dtype, tensor_parallel_size)
-        self.engine = Engine(self.runner, self.engine_config, spec=self.spec_runner, proposer=proposer)
+            proposer = build_proposer(BuildContext(
+                spec=spec, target_config=self.model_config, engine_config=self.engine_config,
+                tokenizer=self.tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size, mesh=self.mesh,
+            ))
+        self.runner = StepRunner(
+            self.model_config, params, proposer, self.engine_config, spec=spec, kv_dtype=_DTYPES[dtype],
+            plan=ShardingPlan(mesh=self.mesh, tp=tensor_parallel_size), profile=profile,
+        )
+        self.engine = Engine(self.runner, self.engine_config, spec=spec)
         self._request_counter = itertools.count()
         self._generate_seconds = 0.0
         if warmup:
             start = time.perf_counter()
             self.warmup()
             logger.info("warmup compiled %d executables in %.1fs", self.num_compiles, time.perf_counter() - start)
-
-    def _build_speculation(self, spec: SpeculativeConfig, dtype: str, tensor_parallel_size: int):
-        draft_tp = spec.draft_tensor_parallel_size
-        if draft_tp not in (None, 1, tensor_parallel_size):
-            raise ValueError(
-                f"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size={tensor_parallel_size}, "
-                f"got {spec.draft_tensor_parallel_size}"
-            )
-        if spec.max_model_len is not None and spec.max_model_len < self.engine_config.max_model_len:
-            raise ValueError(
-                f"speculative_config.max_model_len={spec.max_model_len} is below LLM max_model_len="
-                f"{self.engine_config.max_model_len}; drafting stops at max_model_len, lower the LLM's instead"
-            )
-        draft, proposer, vocab_map = None, None, None
-        if spec.method == "draft_model":
-            draft_config, draft_params = load_hf_model(resolve_model(spec.model), dtype=dtype)
-            if spec.use_heterogeneous_vocab:
-                from specjax.spec_decode.vocab_map import load_vocab_map
-
-                vocab_map = load_vocab_map(self.tokenizer, resolve_model(spec.model),
-                                           target_vocab_size=self.model_config.vocab_size,
-                                           draft_vocab_size=draft_config.vocab_size)
-            elif draft_config.vocab_size != self.model_config.vocab_size:
-                raise ValueError(
-                    f"speculative_config.model vocab_size={draft_config.vocab_size} differs from the target's "
-                    f"{self.model_config.vocab_size}; a draft with its own tokenizer needs use_heterogeneous_vocab=True"
-                )
-            draft = (draft_config, draft_params)
-        elif spec.method == "ngram":
-            from specjax.spec_decode.ngram import NgramProposer
-
-            proposer = NgramProposer(
-                prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
-                num_speculative_tokens=spec.num_speculative_tokens,
-            )
-        elif spec.method == "suffix":
-            from specjax.spec_decode.suffix import SuffixProposer
-
-            proposer = SuffixProposer(
-                num_speculative_tokens=spec.num_speculative_tokens,
-                max_tree_depth=spec.suffix_decoding_max_tree_depth,
-                max_cached_requests=spec.suffix_decoding_max_cached_requests,
-                max_spec_factor=spec.suffix_decoding_max_spec_factor,
-                min_token_prob=spec.suffix_decoding_min_token_prob,
-            )
-        head = None
-        if spec.method in HEAD_METHODS:
-            from specjax.spec_decode.heads import HeadProposer
-
-            head_config, head_params = load_head(resolve_model(spec.model), dtype=_DTYPES[dtype])
-            if head_config.method != spec.method:
-                raise ValueError(
-                    f"speculative_config.model {spec.model!r} is a {head_config.method} head, but method={spec.method!r}"
-                )
-            head = (head_config, head_params)
-            proposer = HeadProposer()
-        # method None (synthetic verification, no proposer): placeholder drafts, acceptance by the rates.
-        runner = SpecRunner(
-            self.runner, spec, self.engine_config, draft=draft, head=head, kv_dtype=_DTYPES[dtype],
-            draft_tp=tensor_parallel_size if draft_tp is None else draft_tp, vocab_map=vocab_map,
-        )
-        return runner, proposer
 
     @property
     def config(self) -> LlamaConfig:
@@ -313,22 +270,15 @@ class LLM:
 
     def warmup(self) -> None:
         """Compile every bucket now (``LLM(warmup=True)`` already did)."""
-        ks = self.spec_runner.ks if self.spec_runner is not None else [0]
-        # Plain steps run when K = 0 for some batch size, or when a host proposer finds no drafts at all.
-        if 0 in ks or self.engine.proposer is not None:
-            self.runner.warmup()
-        if self.spec_runner is not None:
-            self.spec_runner.warmup()
+        self.engine.warmup()
 
     @property
     def num_compiles(self) -> int:
-        n = self.runner.num_compiles
-        return n + (self.spec_runner.num_compiles if self.spec_runner is not None else 0)
+        return self.runner.num_compiles
 
     @property
     def compile_seconds(self) -> float:
-        s = self.runner.compile_seconds
-        return s + (self.spec_runner.compile_seconds if self.spec_runner is not None else 0.0)
+        return self.runner.compile_seconds
 
     def get_metrics(self) -> dict[str, Any]:
         s = self.engine.stats
@@ -343,6 +293,8 @@ class LLM:
             "compile_seconds": self.compile_seconds,
             "generate_seconds": self._generate_seconds,
             "generation_tokens_per_s": s.num_generated_tokens / self._generate_seconds if self._generate_seconds else 0.0,
+            "mean_step_s": s.step_seconds / s.num_steps if s.num_steps else 0.0,
             **self.engine.latency.as_dict(),
-            **(self.spec_runner.stats.as_dict() if self.spec_runner is not None else {}),
+            **(self.engine.spec_stats.as_dict() if self.engine.spec_stats is not None else {}),
+            **({f"{k}_time_s": v for k, v in self.runner.phase_seconds.items()} if self.runner.profile else {}),
         }

@@ -16,10 +16,8 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: np.ndarray = dataclasses.field(init=False)
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    sample_time_s: float = 0.0
     num_spec_steps: int = 0
+    """Engine steps that verified at least one draft."""
 
     def __post_init__(self) -> None:
         self.accepted_per_position = np.zeros(self.num_speculative_tokens, np.int64)
@@ -43,9 +41,6 @@ class SpecDecodeStats:
             # vLLM's definition: the bonus/recovered token counts, so a draft with nothing accepted scores 1.
             "mean_acceptance_length": 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
             "accepted_per_position": self.accepted_per_position.tolist(),
-            "draft_time_s": self.draft_time_s,
-            "verify_time_s": self.verify_time_s,
-            "sample_time_s": self.sample_time_s,
             "num_spec_steps": self.num_spec_steps,
         }
 

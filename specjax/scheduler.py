@@ -1,7 +1,8 @@
 """Requests, continuous batching with chunked prefill, KV block allocation and preemption.
 
-Everything here is host-side Python over small lists; the device never waits on
-it for more than the one fetch of sampled tokens per step.
+Everything here is host-side Python over small lists and the per-slot buffers of
+:class:`~specjax.input_batch.SlotTable`; the device never waits on it for more
+than the one fetch of sampled tokens per step.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import enum
 import logging
 
 from specjax.config import EngineConfig, SamplingParams
+from specjax.input_batch import SlotTable
 from specjax.kv_cache import BlockManager
 
 logger = logging.getLogger(__name__)
@@ -54,16 +56,12 @@ class Request:
     """Drafts verified for this request."""
     num_accepted_tokens: int = 0
     """Drafts accepted for this request."""
+    slot: int | None = None
+    """Row of the engine's per-slot buffers while running; None otherwise."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_ids(self, start: int, stop: int) -> list[int]:
-        n_prompt = len(self.prompt_token_ids)
-        if stop <= n_prompt:
-            return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +92,7 @@ class Scheduler:
         self.config = config
         self.num_lookahead_tokens = num_lookahead_tokens
         self.blocks = BlockManager(config.total_kv_blocks, config.block_size)
+        self.slots = SlotTable(config.max_num_seqs, config.max_model_len, config.block_size, config.blocks_per_seq)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -110,6 +109,7 @@ class Scheduler:
         dropped = list(self.running) + list(self.waiting)
         for request in dropped:
             self.blocks.free(request.request_id)
+            self.slots.release(request)
             request.status = Status.FINISHED
             request.finish_reason = "abort"
         self.running.clear()
@@ -119,6 +119,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.free(request.request_id)
+        self.slots.release(request)
         request.num_computed_tokens = 0
         request.status = Status.WAITING
         request.num_preemptions += 1
@@ -131,7 +132,9 @@ class Scheduler:
         total = min(request.num_computed_tokens + num_new + self.num_lookahead_tokens, self.config.max_model_len)
         if not self.blocks.can_allocate(request.request_id, total):
             return False
-        self.blocks.allocate(request.request_id, total)
+        table = self.blocks.allocate(request.request_id, total)
+        if request.slot is not None:
+            self.slots.sync_blocks(request.slot, table)
         return True
 
     def schedule(self) -> list[ScheduledRow]:
@@ -160,6 +163,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+            self.slots.sync_blocks(self.slots.assign(request), self.blocks.table(request.request_id))
             rows.append(ScheduledRow(request, request.num_computed_tokens, num_new))
             budget -= num_new
         if not rows and self.has_unfinished:
@@ -176,6 +180,7 @@ class Scheduler:
         request = row.request
         request.num_computed_tokens = row.start + row.num_new if num_computed is None else num_computed
         kept: list[int] = []
+        slot = request.slot
         for token in new_token_ids:
             request.output_token_ids.append(token)
             kept.append(token)
@@ -183,6 +188,8 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 break
+        if request.slot is not None:
+            self.slots.append(slot, kept)
         return kept
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
@@ -199,3 +206,4 @@ class Scheduler:
         request.finish_reason = reason
         self.running.remove(request)
         self.blocks.free(request.request_id)
+        self.slots.release(request)

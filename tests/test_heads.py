@@ -13,7 +13,6 @@ from models.llama import lm_head_logits
 from models.loading import load_hf_model
 from specjax.buckets import count_compiles
 from specjax.kv_cache import AttentionMetadata, KVCache
-from specjax.spec_decode.heads import HeadProposer
 from specjax.train.heads import HeadTrainConfig, fusion_train_forward, restore_state, target_features, train_head, \
     _manager
 from specjax.train.lm import TrainConfig, make_optimizer
@@ -67,16 +66,23 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-class _Recorder(HeadProposer):
-    """Keeps every (request, token count, drafts) the engine stores."""
+def _record_drafts(llm):
+    """After every engine step, log (request, token count, drafts) for each running request whose slot holds
+    current device-side drafts (a test-only fetch of the decode state)."""
+    log = []
+    real_step = llm.engine.step
 
-    def __init__(self):
-        super().__init__()
-        self.log = []
+    def step():
+        finished = real_step()
+        table = llm.engine.scheduler.slots
+        drafts = np.asarray(llm.runner.state.proposer.drafts)  # [S, K]
+        for request in llm.engine.scheduler.running:
+            if table.has_drafts[request.slot]:
+                log.append((request.request_id, request.num_tokens, drafts[request.slot].copy()))
+        return finished
 
-    def store(self, request_id, num_tokens, drafts):
-        self.log.append((request_id, num_tokens, np.array(drafts)))
-        super().store(request_id, num_tokens, drafts)
+    llm.engine.step = step
+    return log
 
 
 def test_greedy_equals_plain_zero_compiles_and_drafts_match_reference(target_dir, target, head_dir, plain):
@@ -86,8 +92,7 @@ def test_greedy_equals_plain_zero_compiles_and_drafts_match_reference(target_dir
     llm = specjax.LLM(target_dir, speculative_config={"method": h.method, "model": str(head_dir),
                                                       "num_speculative_tokens": k},
                       **{**KW, "batch_buckets": (2,), "query_buckets": (1, 16)})
-    rec = _Recorder()
-    llm.engine.proposer = rec
+    log = _record_drafts(llm)
     warm = llm.num_compiles
     # Prompts past max_prefill_chunk (chunked prefill runs the head over every chunk), continuous batching.
     prompts = _prompts(0, [5, 37, 2, 20])
@@ -114,7 +119,7 @@ def test_greedy_equals_plain_zero_compiles_and_drafts_match_reference(target_dir
             logits = head_hidden_to_logits(hp, t_params, head_out, config=h, target_config=t_config)[0]  # [T-1, V]
         first_drafts[out.request_id] = np.argmax(np.asarray(logits), -1)
     checked = 0
-    for rid, n, drafts in rec.log:
+    for rid, n, drafts in log:
         if rid not in first_drafts:
             continue  # the sampled requests
         ref = first_drafts[rid][n - 2]
@@ -237,9 +242,9 @@ def test_shipped_head_is_lossless_and_beats_an_untrained_one(method, shipped_pla
     assert _ids(llm.generate(prompts, params)) == expected
     trained = llm.get_metrics()["mean_acceptance_length"]
     # The same engine (same executables) with the head's weights re-drawn at random: far fewer acceptances.
-    runner = llm.spec_runner
-    untrained = init_head_params(runner.head_config, jax.random.key(0))
-    runner.head_params = jax.device_put(untrained, runner.target.plan.replicated)
+    proposer = llm.runner.proposer
+    untrained = init_head_params(proposer.config, jax.random.key(0))
+    llm.runner.params = (llm.runner.params[0], jax.device_put(untrained, proposer.param_shardings(None)))
     before = llm.get_metrics()
     assert _ids(llm.generate(prompts, params)) == expected
     after = llm.get_metrics()

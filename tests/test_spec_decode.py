@@ -101,7 +101,7 @@ def test_mixed_batch_all_accepted_next_to_first_position_rejection(target_dir, p
     k = 4
     llm = specjax.LLM(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k},
                       warmup=False, **KW)
-    llm.engine.proposer = OracleProposer(dict(zip(keys, expected)), wrong_ids={keys[1]})
+    llm.engine.proposer.drafter = OracleProposer(dict(zip(keys, expected)), wrong_ids={keys[1]})
     assert _ids(llm.generate(prompts, params)) == expected
     m = llm.get_metrics()
     # Row 0 accepts all 4 drafts + a bonus every step: 20 tokens in 4 steps. Row 1 is rejected at
@@ -118,7 +118,7 @@ def test_stop_inside_an_accepted_block(target_dir, plain):
     cut = base[: base.index(stop) + 1]
     llm = specjax.LLM(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 5},
                       warmup=False, **KW)
-    llm.engine.proposer = OracleProposer({tuple(prompts[0]["prompt_token_ids"]): base}, wrong_ids=set())
+    llm.engine.proposer.drafter = OracleProposer({tuple(prompts[0]["prompt_token_ids"]): base}, wrong_ids=set())
     out = llm.generate(prompts, specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
                                                       stop_token_ids=[stop]))[0].outputs[0]
     assert out.token_ids == cut and out.finish_reason == "stop"

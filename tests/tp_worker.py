@@ -56,22 +56,23 @@ def main(model_dir: str) -> None:
             out["outputs"][key] = [r.outputs[0].token_ids for r in res]
             if (tp, dp) == (2, 1):
                 out["steady_compiles"][key] = c.count
-                layer = llm.runner.params["layers_0"]
+                target_params, proposer_params = llm.runner.params
+                layer = target_params["layers_0"]
                 sh = {
                     "q_proj": spec_str(layer["self_attn"]["q_proj"]["kernel"]),
                     "k_proj": spec_str(layer["self_attn"]["k_proj"]["kernel"]),
                     "o_proj": spec_str(layer["self_attn"]["o_proj"]["kernel"]),
                     "gate_proj": spec_str(layer["mlp"]["gate_proj"]["kernel"]),
                     "down_proj": spec_str(layer["mlp"]["down_proj"]["kernel"]),
-                    "embed": spec_str(llm.runner.params["embed_tokens"]["embedding"]),
-                    "norm": spec_str(llm.runner.params["norm"]["scale"]),
-                    "kv_cache": spec_str(llm.runner.kv_cache.k[0]),
-                    "num_devices": len(llm.runner.kv_cache.k[0].sharding.device_set),
+                    "embed": spec_str(target_params["embed_tokens"]["embedding"]),
+                    "norm": spec_str(target_params["norm"]["scale"]),
+                    "kv_cache": spec_str(llm.runner.state.target_kv.k[0]),
+                    "num_devices": len(llm.runner.state.target_kv.k[0].sharding.device_set),
                 }
-                if llm.spec_runner is not None and llm.spec_runner.has_draft_model:
-                    dl = llm.spec_runner.draft_params["layers_0"]
+                if name.startswith("draft_model"):
+                    dl = proposer_params[0]["layers_0"]
                     sh["draft_q_proj"] = spec_str(dl["self_attn"]["q_proj"]["kernel"])
-                    sh["draft_kv_cache"] = spec_str(llm.spec_runner.draft_cache.k[0])
+                    sh["draft_kv_cache"] = spec_str(llm.runner.state.proposer.kv.k[0])
                 out["shardings"][key] = sh
     print(json.dumps(out))
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specjax.spec_decode.proposer import EMPTY_DRAFTS as _EMPTY
-from specjax.spec_decode.proposer import check_batch
+from specjax.spec_decode.proposer import BuildContext, HostProposer, check_batch, register
 from specjax.spec_decode.proposer import check_int as _check_int
 
 def longest_ngram_continuation(seq: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -57,7 +57,7 @@ def longest_ngram_continuation(seq: np.ndarray, min_n: int, max_n: int, k: int) 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NgramProposer:
-    """Stateless host proposer (see the module docstring). Implements ``HostProposer``."""
+    """Stateless host drafter (see the module docstring). Implements ``HostDrafter``."""
 
     prompt_lookup_min: int
     prompt_lookup_max: int
@@ -91,3 +91,10 @@ class NgramProposer:
     def finish(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """Nothing to drop or learn: n-gram lookup keeps no state."""
         del request_id, prompt_token_ids, output_token_ids
+
+
+@register("ngram")
+def build(ctx: BuildContext) -> HostProposer:
+    spec = ctx.spec
+    return HostProposer(NgramProposer(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
+                                      num_speculative_tokens=spec.num_speculative_tokens))

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specjax.spec_decode.proposer import EMPTY_DRAFTS as _EMPTY
-from specjax.spec_decode.proposer import check_batch
+from specjax.spec_decode.proposer import BuildContext, HostProposer, check_batch, register
 from specjax.spec_decode.proposer import check_int as _check_int
 
 logger = logging.getLogger(__name__)
@@ -262,15 +262,15 @@ class _SuffixTree:
 
 
 class _RequestState:
-    """One running request: its tree (document 0 = its tokens), the tokens seen so far, the active list."""
+    """One running request: its tree (document 0 = its tokens), how many tokens it has seen, the active list."""
 
-    __slots__ = ("tree", "doc", "seen", "active")
+    __slots__ = ("tree", "doc", "num_seen", "active")
 
     def __init__(self, max_depth: int) -> None:
         self.tree = _SuffixTree(max_depth)
         self.doc: list[int] = []
         self.tree.docs[0] = self.doc
-        self.seen = np.zeros((0,), dtype=np.int64)
+        self.num_seen = 0
         self.active: list[int] = []
 
     def extend(self, tail: list[int]) -> None:
@@ -283,7 +283,7 @@ class _RequestState:
 
 
 class SuffixProposer:
-    """SuffixDecoding host proposer (see the module docstring). Implements ``HostProposer``."""
+    """SuffixDecoding host drafter (see the module docstring). Implements ``HostDrafter``."""
 
     def __init__(
         self,
@@ -318,20 +318,21 @@ class SuffixProposer:
         return len(self._cached)
 
     def _sync(self, request_id: str, seq: np.ndarray) -> _RequestState:
-        """Bring the request's tree up to ``seq``: append the new tail, or rebuild if it diverged."""
+        """Bring the request's tree up to ``seq`` by appending its new tail (O(new tokens)).
+
+        A request's sequence only grows (its committed tokens never change), so the tree is rebuilt
+        only if the sequence got shorter than what was seen (a re-used request id).
+        """
         state = self._requests.get(request_id)
-        if state is not None:
-            n_old = state.seen.shape[0]
-            if seq.shape[0] < n_old or not np.array_equal(seq[:n_old], state.seen):
-                logger.debug("request %s: sequence is not an extension of the last one; rebuilding", request_id)
-                state = None
+        if state is not None and seq.shape[0] < state.num_seen:
+            logger.debug("request %s: sequence is shorter than the last one; rebuilding", request_id)
+            state = None
         if state is None:
             state = _RequestState(self.config.max_tree_depth)
             self._requests[request_id] = state
-        n_old = state.seen.shape[0]
-        if seq.shape[0] > n_old:
-            state.extend(seq[n_old:].tolist())
-            state.seen = seq.copy()  # the caller may reuse its buffer
+        if seq.shape[0] > state.num_seen:
+            state.extend(seq[state.num_seen:].tolist())
+            state.num_seen = seq.shape[0]
         return state
 
     def propose(
@@ -391,3 +392,13 @@ class SuffixProposer:
         while len(self._cached) > self.config.max_cached_requests:
             old_id, _ = self._cached.popitem(last=False)
             self._global.remove(old_id)
+
+
+@register("suffix")
+def build(ctx: BuildContext) -> HostProposer:
+    spec = ctx.spec
+    return HostProposer(SuffixProposer(
+        num_speculative_tokens=spec.num_speculative_tokens, max_tree_depth=spec.suffix_decoding_max_tree_depth,
+        max_cached_requests=spec.suffix_decoding_max_cached_requests,
+        max_spec_factor=spec.suffix_decoding_max_spec_factor, min_token_prob=spec.suffix_decoding_min_token_prob,
+    ))

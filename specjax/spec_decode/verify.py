@@ -1,7 +1,7 @@
 """Batched verification: one target forward over catch-up + draft tokens, then the rejection sampler.
 
 Row b of a step feeds the target its c_b catch-up tokens (committed tokens whose
-KV is not yet in both caches: 1 or 2 while decoding, a chunk while prefilling)
+KV is not yet in the cache: 1 while decoding, a chunk while prefilling)
 followed by its n_b drafts, left-aligned in ``[B, C + K]``. The logits at the
 last catch-up token and at each draft give the K+1 rows the sampler verifies.
 Rejected drafts' KV stays in the cache but beyond the committed length, so it is
@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from models.llama import LlamaConfig, forward_features
-from specjax.kv_cache import AttentionMetadata, KVCache
+from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
 from specjax.sample.rejection import rejection_sample_jit
-from specjax.spec_decode.draft_model import slots_for_positions
 
 
 def assemble_window(tokens, positions, slot_mapping, block_tables, last_index, draft_ids, num_drafts, block_size):
@@ -46,37 +45,30 @@ def assemble_window(tokens, positions, slot_mapping, block_tables, last_index, d
 def verify_forward(
     params,
     kv_cache: KVCache,
-    tokens: jax.Array,
-    positions: jax.Array,
-    slot_mapping: jax.Array,
+    window: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
     block_tables: jax.Array,
-    last_index: jax.Array,
-    draft_ids: jax.Array,
-    num_drafts: jax.Array,
     *,
     config: LlamaConfig,
     features: str | None = None,
     aux_layer_ids: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """Target logits ``[B, K+1, V]`` for catch-up ``tokens [B, C]`` followed by ``draft_ids [B, K]``.
+    """Target logits ``[B, K+1, V]`` over an :func:`assemble_window` window (tokens, positions, slots, indices).
 
     ``features`` (for draft heads, from the same pass): ``"hidden"`` returns the final-normed hidden
-    states ``[B, C+K, D]`` of the whole window, ``"aux"`` the residual streams after ``aux_layer_ids``
-    ``[B, C+K, A*D]``; None returns None in their place.
+    states ``[B, W, D]`` of the whole window, ``"aux"`` the residual streams after ``aux_layer_ids``
+    ``[B, W, A*D]``; None returns None in their place.
     """
-    all_tokens, all_positions, all_slots, logits_indices = assemble_window(
-        tokens, positions, slot_mapping, block_tables, last_index, draft_ids, num_drafts, kv_cache.block_size
-    )
-    md = AttentionMetadata(slot_mapping=all_slots, block_tables=block_tables)
+    tokens, positions, slots, logits_indices = window
+    md = AttentionMetadata(slot_mapping=slots, block_tables=block_tables)
     logits, hidden, aux, kv_cache = forward_features(
-        params, all_tokens, all_positions, kv_cache, md, config=config, logits_indices=logits_indices,
+        params, tokens, positions, kv_cache, md, config=config, logits_indices=logits_indices,
         aux_layer_ids=aux_layer_ids if features == "aux" else (),
     )
     feats = {"hidden": hidden, "aux": aux, None: None}[features]
-    return logits, feats, kv_cache  # [B, K+1, V], [B, C+K, F] | None
+    return logits, feats, kv_cache  # [B, K+1, V], [B, W, F] | None
 
 
-def verify_sample(
+def verify_tokens(
     target_logits: jax.Array,
     draft_ids: jax.Array,
     num_drafts: jax.Array,
@@ -88,14 +80,19 @@ def verify_sample(
     conditional_rates: jax.Array | None,
     *,
     method: str,
+    use_kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Rejection-sample ``[B, K+1]`` output tokens and accepted counts; skips the top-k/top-p sort when unused."""
+    """Committed tokens ``[B, K+1]`` and accepted counts ``[B]``.
+
+    The rejection sampler takes its greedy-only path (one argmax pass) when no row samples, and skips
+    the top-k/top-p sort when no row uses them.
+    """
     filtering = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
 
     def run(tk, tp):
         return rejection_sample_jit(
             draft_ids, num_drafts, target_logits, draft_probs, temperature, tk, tp, keys, conditional_rates,
-            method=method,
+            method=method, use_kernel=use_kernel,
         )
 
     return jax.lax.cond(filtering, lambda: run(top_k, top_p), lambda: run(None, None))

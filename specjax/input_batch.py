@@ -1,0 +1,118 @@
+"""Persistent per-slot host buffers (vLLM's InputBatch) and the padded step built from them.
+
+Every running request owns a slot ``s < max_num_seqs`` for as long as it runs:
+its token ids, block table and sampling parameters live in row ``s`` of
+preallocated numpy arrays, appended to as tokens are committed and blocks are
+allocated. Building a step gathers rows from these arrays with a few vectorized
+numpy ops, so host work per step grows with the tokens a step adds, never with
+context length. The slot also indexes per-slot device state
+(``DecodeState.proposer``, e.g. a head's pending drafts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specjax.step import StepBatch
+
+
+class SlotTable:
+    """Host buffers, one row per request slot."""
+
+    def __init__(self, num_slots: int, max_model_len: int, block_size: int, blocks_per_seq: int):
+        self.block_size = block_size
+        self.tokens = np.zeros((num_slots, max_model_len), np.int32)
+        """int32 [S, max_model_len]: prompt + committed output of the slot's request."""
+        self.num_tokens = np.zeros((num_slots,), np.int64)
+        self.block_table = np.full((num_slots, blocks_per_seq), -1, np.int32)
+        """int32 [S, M]: the slot's KV blocks in order; -1 = unused."""
+        self.num_blocks = np.zeros((num_slots,), np.int64)
+        self.temperature = np.zeros((num_slots,), np.float32)
+        self.top_k = np.zeros((num_slots,), np.int32)
+        self.top_p = np.ones((num_slots,), np.float32)
+        self.seed_streams = np.zeros((num_slots,), np.uint32)
+        self.seeds = np.zeros((num_slots,), np.uint32)
+        self.has_drafts = np.zeros((num_slots,), bool)
+        """Device-side drafts of the slot (``Proposer.drafts_ahead``) are current for its next step."""
+        self.synced = np.zeros((num_slots,), bool)
+        """The proposer's device state has seen every token of the slot (no detached step skipped it)."""
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def assign(self, request) -> int:
+        """Give ``request`` a slot and load its tokens and sampling parameters (once per admission)."""
+        s = self._free.pop()
+        request.slot = s
+        ids = request.prompt_token_ids + request.output_token_ids
+        self.tokens[s, : len(ids)] = ids
+        self.num_tokens[s] = len(ids)
+        self.block_table[s] = -1
+        self.num_blocks[s] = 0
+        p = request.params
+        self.temperature[s] = p.temperature
+        self.top_k[s] = p.top_k_or_off
+        self.top_p[s] = p.top_p
+        self.seed_streams[s] = request.seed_stream
+        self.seeds[s] = request.seed
+        self.has_drafts[s] = False
+        self.synced[s] = True  # its prefill runs with the proposer attached
+        return s
+
+    def release(self, request) -> None:
+        if request.slot is not None:
+            self.has_drafts[request.slot] = False
+            self._free.append(request.slot)
+            request.slot = None
+
+    def append(self, slot: int, token_ids: Sequence[int]) -> None:
+        n = int(self.num_tokens[slot])
+        self.tokens[slot, n : n + len(token_ids)] = token_ids
+        self.num_tokens[slot] = n + len(token_ids)
+
+    def sync_blocks(self, slot: int, table: Sequence[int]) -> None:
+        """Copy the blocks appended to ``table`` since the last call (allocation only ever appends)."""
+        have = int(self.num_blocks[slot])
+        if len(table) > have:
+            self.block_table[slot, have : len(table)] = table[have:]
+            self.num_blocks[slot] = len(table)
+
+    def history(self, slot: int) -> np.ndarray:
+        """The slot's prompt + committed output (a view: valid until the next append)."""
+        return self.tokens[slot, : self.num_tokens[slot]]
+
+    def fill(self, batch: StepBatch, slots: np.ndarray, starts: np.ndarray, num_new: np.ndarray,
+             num_outputs: np.ndarray) -> None:
+        """Write ``len(slots)`` rows into the padded host ``batch`` (rows past them stay padding).
+
+        slots / starts / num_new / num_outputs: int [R]: each row's slot, first position of its chunk,
+        chunk length and committed output count (keys its noise).
+        """
+        r = len(slots)
+        t = batch.tokens.shape[1]
+        j = np.arange(t)
+        in_chunk = j[None, :] < num_new[:, None]  # [R, T]
+        pos = starts[:, None] + j[None, :]  # [R, T]
+        safe_pos = np.where(in_chunk, pos, 0)
+        bs = self.block_size
+        blocks = self.block_table[slots[:, None], safe_pos // bs]  # [R, T]
+        batch.tokens[:r] = np.where(in_chunk, self.tokens[slots[:, None], safe_pos], 0)
+        batch.positions[:r] = safe_pos
+        batch.slot_mapping[:r] = np.where(in_chunk, blocks * bs + safe_pos % bs, -1)
+        batch.block_tables[:r] = self.block_table[slots]
+        batch.last_index[:r] = num_new - 1
+        batch.slots[:r] = slots
+        batch.prev_token[:r] = np.where(starts > 0, self.tokens[slots, np.maximum(starts - 1, 0)], -1)
+        end = starts + num_new
+        prefilling = end < self.num_tokens[slots]
+        batch.next_token[:r] = np.where(prefilling, self.tokens[slots, np.where(prefilling, end, 0)], -1)
+        batch.temperature[:r] = self.temperature[slots]
+        batch.top_k[:r] = self.top_k[slots]
+        batch.top_p[:r] = self.top_p[slots]
+        batch.seed_streams[:r] = self.seed_streams[slots]
+        batch.seeds[:r] = self.seeds[slots]
+        batch.sample_indices[:r] = num_outputs

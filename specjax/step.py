@@ -1,0 +1,195 @@
+"""The one compiled step: decode state as a pytree, the padded batch, and draft -> verify -> sample -> update.
+
+Per bucket (rows, query length, K) there is one
+ahead-of-time compiled executable of :func:`decode_step`. It takes the
+:class:`DecodeState` donated (every cache is updated in place), runs the
+proposer's drafting, one target forward over each row's catch-up tokens and
+drafts, the sampler (plain sampling at K = 0, rejection sampling otherwise) and
+the proposer's after-verify update, and returns one small int32 array the host
+fetches once: each row's committed tokens and accepted count.
+
+Shape letters as in :mod:`specjax.kv_cache`; K = drafts per row, W = window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.llama import LlamaConfig
+from specjax.kv_cache import KVCache
+from specjax.sample.transforms import argmax_last, request_keys, sample_tokens
+from specjax.spec_decode.proposer import Proposer, Verified
+from specjax.spec_decode.verify import assemble_window, verify_forward, verify_tokens
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything the device carries from one step to the next; donated through every step."""
+
+    target_kv: KVCache
+    """The target's paged KV cache."""
+    proposer: Any
+    """The proposer's own device state (a draft model's or head's KV, pending drafts), or None."""
+
+
+@flax.struct.dataclass
+class StepBatch:
+    """A padded step of ``B`` rows, ``T`` catch-up tokens and up to ``K`` drafts per row.
+
+    Padding rows have ``slots == -1``, all-(-1) ``slot_mapping`` and block tables and
+    ``num_drafts == 0``: they write nothing and their outputs are discarded.
+    """
+
+    tokens: jax.Array
+    """int32 [B, T]: catch-up token ids (0 in padding)."""
+    positions: jax.Array
+    """int32 [B, T]: absolute positions (0 in padding)."""
+    slot_mapping: jax.Array
+    """int32 [B, T]: KV slot per token; -1 = padding, not written."""
+    block_tables: jax.Array
+    """int32 [B, M]: each row's KV blocks; -1 = unused."""
+    last_index: jax.Array
+    """int32 [B]: index in T of each row's last real token (its logits are sampled)."""
+    slots: jax.Array
+    """int32 [B]: the request's persistent slot (indexes per-slot device state); -1 = padding row."""
+    num_drafts: jax.Array
+    """int32 [B]: drafts this row verifies (<= K); 0 for rows that do not sample this step."""
+    host_drafts: jax.Array
+    """int32 [B, K]: drafts from a host proposer (zeros otherwise)."""
+    prev_token: jax.Array
+    """int32 [B]: the committed token just before ``tokens[:, 0]``; -1 at the sequence start or padding."""
+    next_token: jax.Array
+    """int32 [B]: for rows still prefilling, the prompt token after this chunk; -1 for rows that sample."""
+    temperature: jax.Array
+    """float32 [B]: 0 = greedy (also padding)."""
+    top_k: jax.Array
+    """int32 [B]: 0 = off."""
+    top_p: jax.Array
+    """float32 [B]: 1 = off."""
+    seed_streams: jax.Array
+    """uint32 [B]: 0 = user seed, 1 = engine-derived seed."""
+    seeds: jax.Array
+    """uint32 [B]: per-request seed."""
+    sample_indices: jax.Array
+    """int32 [B]: output position of the first token sampled this step (keys the noise)."""
+
+    @classmethod
+    def zeros(cls, batch: int, length: int, k: int, max_blocks: int) -> "StepBatch":
+        """Host (numpy) buffers for one bucket, filled with the padding values."""
+        i32 = np.int32
+        return cls(
+            tokens=np.zeros((batch, length), i32),
+            positions=np.zeros((batch, length), i32),
+            slot_mapping=np.full((batch, length), -1, i32),
+            block_tables=np.full((batch, max_blocks), -1, i32),
+            last_index=np.zeros((batch,), i32),
+            slots=np.full((batch,), -1, i32),
+            num_drafts=np.zeros((batch,), i32),
+            host_drafts=np.zeros((batch, k), i32),
+            prev_token=np.full((batch,), -1, i32),
+            next_token=np.full((batch,), -1, i32),
+            temperature=np.zeros((batch,), np.float32),
+            top_k=np.zeros((batch,), i32),
+            top_p=np.ones((batch,), np.float32),
+            seed_streams=np.zeros((batch,), np.uint32),
+            seeds=np.zeros((batch,), np.uint32),
+            sample_indices=np.zeros((batch,), i32),
+        )
+
+
+def batch_keys(batch: StepBatch) -> jax.Array:
+    """Typed PRNG keys [B]: depend only on the request and its output position, never on the batch."""
+    return request_keys(jax.random.key(0), batch.seeds, batch.sample_indices, streams=batch.seed_streams)
+
+
+def _sample_plain(logits: jax.Array, batch: StepBatch, keys: jax.Array) -> jax.Array:
+    """One token per row of ``logits [B, V]``: an argmax pass when no row samples, no sort when none filters."""
+    random_rows = batch.temperature > 0
+    filtering = jnp.any(random_rows & ((batch.top_k > 0) | (batch.top_p < 1.0)))
+
+    def sampled():
+        return jax.lax.cond(
+            filtering,
+            lambda: sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, keys),
+            lambda: sample_tokens(logits, batch.temperature, None, None, keys),
+        )
+
+    return jax.lax.cond(jnp.any(random_rows), sampled, lambda: argmax_last(logits))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # identity hash: holds the proposer and arrays
+class StepSpec:
+    """What a step computes, fixed per engine (closed over by every compiled step)."""
+
+    config: LlamaConfig
+    """The target's config."""
+    proposer: Proposer
+    """The speculative method (plain decoding: the base ``Proposer``)."""
+    method: str
+    """Rejection sampling method: "standard", "block" or "synthetic"."""
+    rates: np.ndarray | None
+    """Conditional synthetic acceptance rates [K_max] (method "synthetic"), else None."""
+    use_kernel: bool
+    """Run the fused Pallas rejection kernel (see :mod:`specjax.backends`)."""
+
+
+def _window(batch: StepBatch, drafts: jax.Array, block_size: int):
+    return assemble_window(batch.tokens, batch.positions, batch.slot_mapping, batch.block_tables, batch.last_index,
+                           drafts, batch.num_drafts, block_size)
+
+
+def propose_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch):
+    """The proposer's drafts: (int32 [B, K], q [B, K, V] or None, state)."""
+    target_params, proposer_params = params
+    drafts, q, pstate = spec.proposer.propose(proposer_params, target_params, state.proposer, batch,
+                                              batch_keys(batch), k=batch.host_drafts.shape[1])
+    return drafts, q, DecodeState(target_kv=state.target_kv, proposer=pstate)
+
+
+def verify_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, drafts: jax.Array):
+    """The target's forward over catch-up + drafts: (logits [B, K+1, V], features [B, W, F] | None, state)."""
+    logits, features, target_kv = verify_forward(
+        params[0], state.target_kv, _window(batch, drafts, state.target_kv.block_size), batch.block_tables,
+        config=spec.config, features=spec.proposer.features, aux_layer_ids=spec.proposer.aux_layer_ids,
+    )
+    return logits, features, DecodeState(target_kv=target_kv, proposer=state.proposer)
+
+
+def sample_phase(spec: StepSpec, batch: StepBatch, drafts: jax.Array, q, logits: jax.Array):
+    """Committed tokens [B, K+1] and accepted drafts [B]: plain sampling at K = 0, rejection sampling otherwise."""
+    k = drafts.shape[1]
+    keys = batch_keys(batch)
+    if k == 0:
+        out = _sample_plain(logits[:, 0], batch, keys)[:, None]  # [B, 1]
+        return out, jnp.zeros(out.shape[:1], jnp.int32)
+    rates = None if spec.rates is None else jnp.asarray(spec.rates[:k])
+    return verify_tokens(logits, drafts, batch.num_drafts, q, batch.temperature, batch.top_k, batch.top_p, keys,
+                         rates, method=spec.method, use_kernel=spec.use_kernel)
+
+
+def update_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, drafts, features, out, accepted):
+    """The proposer's after-verify update; returns (packed int32 [B, K+2], state)."""
+    tokens, positions, slots, _ = _window(batch, drafts, state.target_kv.block_size)  # [B, W] each
+    verified = Verified(tokens=tokens, positions=positions, slot_mapping=slots, features=features, drafts=drafts,
+                        out_tokens=out, accepted=accepted)
+    pstate = spec.proposer.update(params[1], params[0], state.proposer, batch, verified, k=drafts.shape[1])
+    packed = jnp.concatenate([out.astype(jnp.int32), accepted[:, None].astype(jnp.int32)], axis=1)  # [B, K+2]
+    return packed, DecodeState(target_kv=state.target_kv, proposer=pstate)
+
+
+def decode_step(spec: StepSpec, params, state: DecodeState, batch: StepBatch) -> tuple[jax.Array, DecodeState]:
+    """One engine step: the four phases in one program. ``params = (target, proposer)``; ``state`` is donated.
+
+    Returns (int32 [B, K+2]: committed tokens in columns 0..K (-1 after the last), accepted drafts in
+    column K+1; the new state). K (static) is ``batch.host_drafts.shape[1]``; K = 0 is a plain step.
+    """
+    drafts, q, state = propose_phase(spec, params, state, batch)  # [B, K], [B, K, V] | None
+    logits, features, state = verify_phase(spec, params, state, batch, drafts)  # [B, K+1, V], [B, W, F] | None
+    out, accepted = sample_phase(spec, batch, drafts, q, logits)  # [B, K+1], [B]
+    return update_phase(spec, params, state, batch, drafts, features, out, accepted)

@@ -1,0 +1,126 @@
+"""The one compiled step: one executable call and one device-to-host fetch per engine step, for every method;
+host buffers that grow with new tokens only; the proposer registry."""
+
+import jax
+import numpy as np
+import pytest
+from jax._src.array import ArrayImpl
+
+import specjax
+from models.heads import HeadConfig, init_head_params, save_head
+from models.loading import load_hf_model
+from specjax.buckets import count_compiles
+from specjax.spec_decode import proposer as proposer_module
+from tiny_models import make_tiny_checkpoint
+
+KW = dict(max_model_len=64, max_num_seqs=2, block_size=8, max_prefill_chunk=16, query_buckets=(1, 16))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("target"), family="llama", num_kv_heads=2, num_layers=2,
+                                vocab_size=32, eos_token_id=None, seed=0)
+
+
+@pytest.fixture(scope="module")
+def head_dir(target_dir, tmp_path_factory):
+    config, _ = load_hf_model(target_dir)
+    h = HeadConfig.for_target("eagle", config)
+    return save_head(tmp_path_factory.mktemp("eagle"), h, init_head_params(h, jax.random.key(1)), dtype="float32")
+
+
+class _Fetches:
+    """Counts every conversion of a jax.Array to a host numpy value (np.asarray, .tolist(), int(), device_get)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        original = ArrayImpl._value
+
+        def counting(array):
+            self.count += 1
+            return original.fget(array)
+
+        monkeypatch.setattr(ArrayImpl, "_value", property(counting))
+
+
+def _spec(method, target_dir, head_dir):
+    return {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+        "draft_model": {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3},
+        "eagle": {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3},
+        "synthetic": {"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5,
+                      "num_speculative_tokens": 3},
+    }[method]
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft_model", "eagle", "synthetic"])
+def test_one_fetch_and_one_call_per_step(target_dir, head_dir, method, monkeypatch):
+    llm = specjax.LLM(target_dir, speculative_config=_spec(method, target_dir, head_dir), **KW)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [9, 10, 11]}]
+    params = [specjax.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              specjax.SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True, seed=1)]
+    llm.generate(prompts, params, use_tqdm=False)  # the first real steps
+    calls = {"n": 0}
+    real_get = llm.runner.executables.get
+
+    def get(bucket):
+        calls["n"] += 1
+        return real_get(bucket)
+
+    monkeypatch.setattr(llm.runner.executables, "get", get)
+    fetches = _Fetches(monkeypatch)
+    steps_before = llm.get_metrics()["num_steps"]
+    with count_compiles() as compiles:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    steps = llm.get_metrics()["num_steps"] - steps_before
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert compiles.count == 0
+    assert calls["n"] == steps  # one executable per step
+    assert fetches.count == steps  # and exactly one device-to-host fetch
+    if method != "plain":
+        assert llm.get_metrics()["num_drafts"] > 0
+
+
+def test_host_buffers_are_per_slot_and_filled_by_gather(target_dir):
+    """Building a step reads the per-slot buffers; the requests' Python lists are not rebuilt per step."""
+    llm = specjax.LLM(target_dir, warmup=False, **KW)
+    table = llm.engine.scheduler.slots
+    assert table.tokens.shape == (KW["max_num_seqs"], KW["max_model_len"])
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    request = llm._make_request([4, 5, 6], params)
+    llm.engine.add_request(request)
+    llm.engine.step()  # prefill + first token
+    slot = request.slot
+    assert table.history(slot).tolist() == [4, 5, 6] + request.output_token_ids
+    llm.engine.step()
+    assert table.history(slot).tolist() == [4, 5, 6] + request.output_token_ids
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+    assert request.slot is None and table.num_free == KW["max_num_seqs"]
+
+
+def test_registry_names_every_method_and_rejects_unknown():
+    assert set(proposer_module._MODULES) == {"none", "ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp",
+                                             "medusa"}
+    for name, module in proposer_module._MODULES.items():
+        __import__(module)
+        assert name in proposer_module._BUILDERS
+    with pytest.raises(ValueError, match="no registered proposer"):
+        proposer_module.build(proposer_module.BuildContext(
+            spec=type("S", (), {"method": "hydra"})(), target_config=None, engine_config=None, tokenizer=None,
+            dtype="float32", tensor_parallel_size=1, mesh=None))
+
+
+def test_profile_mode_splits_phase_times_and_keeps_output(target_dir):
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    fused = specjax.LLM(target_dir, speculative_config=spec, warmup=False, **KW)
+    profiled = specjax.LLM(target_dir, speculative_config=spec, warmup=False, profile=True, **KW)
+    assert [o.outputs[0].token_ids for o in profiled.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
+    m = profiled.get_metrics()
+    assert m["draft_time_s"] > 0 and m["verify_time_s"] > 0 and m["sample_time_s"] > 0
+    assert "draft_time_s" not in fused.get_metrics()
+    assert np.isfinite(m["mean_step_s"]) and m["mean_step_s"] > 0
