@@ -16,7 +16,8 @@ is rewritten after each one so a run cut short still reports what it measured:
                 (its drafting cost included, acceptance still synthetic), speed-up over (b)'s plain runs.
   (d) compiles  backend compiles during every timed run after warmup (specjax.buckets.count_compiles).
 
-Step time = (T(n2 tokens) - T(n1 tokens)) / (n2 - n1): prefill and per-request overheads cancel.
+Time per output token of a row = (T(n2 tokens) - T(n1 tokens)) / (n2 - n1), so prefill and per-request
+overheads cancel; decode tokens/s = batch / that (for plain decoding it is the step time).
 (b)-(d) use only the public ``specjax.LLM`` API. ``--tiny`` shrinks everything for a CPU smoke run
 (kernels then run in Pallas interpret mode; its numbers say nothing about any accelerator).
 
@@ -288,9 +289,9 @@ def _decode_rate(llm, batch, args, cfg, seed):
     prompts = _prompts(batch, args.prompt_len, cfg["vocab"], seed)
     t1, c1 = _timed_generate(llm, prompts, args.short_tokens, args.reps)
     t2, c2 = _timed_generate(llm, prompts, args.long_tokens, args.reps)
-    step_s = (t2 - t1) / (args.long_tokens - args.short_tokens)
-    return {"batch": batch, "wall_s_short": t1, "wall_s_long": t2, "step_ms": 1e3 * step_s,
-            "decode_tokens_per_s": batch / step_s, "end_to_end_tokens_per_s": batch * args.long_tokens / t2,
+    per_token_s = (t2 - t1) / (args.long_tokens - args.short_tokens)  # per output token of a row
+    return {"batch": batch, "wall_s_short": t1, "wall_s_long": t2, "ms_per_token": 1e3 * per_token_s,
+            "decode_tokens_per_s": batch / per_token_s, "end_to_end_tokens_per_s": batch * args.long_tokens / t2,
             "compiles_after_warmup": c1 + c2}
 
 
@@ -314,6 +315,7 @@ def run_plain(args, ckpts) -> dict:
     rows = []
     for batch in sorted(set(batches) | set(args.spec_batches)):
         row = _decode_rate(llm, batch, args, cfg, seed=batch)
+        row["step_ms"] = row["ms_per_token"]  # plain decoding: one token per row per step
         # KV read per decode step: each row reads its whole context (mean over the timed window).
         ctx = args.prompt_len + (args.short_tokens + args.long_tokens) / 2
         kv_bytes = batch * ctx * cfg["layers"] * 2 * cfg["kv_heads"] * cfg["head_dim"] * 2
@@ -339,8 +341,9 @@ def run_spec(args, ckpts, plain: dict, deadline: float, which: str) -> dict:
         if time.perf_counter() > deadline:
             out.append({"config": name, "skipped": "time budget spent"})
             continue
+        # adaptive=False: every step verifies K = 4 drafts (the speed-up of K = 4 itself, not the controller's).
         spec = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": rates,
-                "num_speculative_tokens": k}
+                "num_speculative_tokens": k, "adaptive": False}
         if draft:
             spec |= {"method": "draft_model", "model": str(ckpts["draft"][0])}
         try:
@@ -352,7 +355,7 @@ def run_spec(args, ckpts, plain: dict, deadline: float, which: str) -> dict:
         rows = []
         for batch in args.spec_batches:
             row = _decode_rate(llm, batch, args, args.target_cfg, seed=batch)
-            metrics = llm.get_metrics()
+            metrics = llm.get_metrics()  # cumulative over this LLM's runs
             row["acceptance"] = {key: metrics[key] for key in metrics if "accept" in key}
             if batch in plain_rate:
                 row["speedup_vs_plain"] = row["decode_tokens_per_s"] / plain_rate[batch]
@@ -411,6 +414,12 @@ def main() -> None:
         report.part("checkpoints", lambda: {
             name: {"params": (ckpts.setdefault(name, make_random_llama(tmp / name, cfg, seed, max_pos)))[1]}
             for name, cfg, seed in (("target", args.target_cfg, 0), ("draft", args.draft_cfg, 1))}, deadline)
+    attention = report.data["parts"].get("attention_kernels", {})
+    if attention and not attention.get("ok") and backends.platform() == "gpu":
+        # A Pallas attention kernel that failed its check must not take the model runs down with it.
+        os.environ[backends.ATTENTION_ENV] = "xla"
+        report.data["attention_fallback"] = "SPECJAX_ATTENTION_BACKEND=xla: the Pallas attention check failed"
+    report.data["backends_for_model_runs"] = backends.describe()
     if "plain" in args.parts and "target" in ckpts:
         report.part("plain", lambda: run_plain(args, ckpts), deadline)
     plain = report.data["parts"].get("plain", {})
@@ -422,11 +431,24 @@ def main() -> None:
         report.part("attention_kernel_timing", lambda: time_attention_kernels(args), deadline)
     if "spec" in args.parts and "target" in ckpts:
         report.part("spec_draft_model", lambda: run_spec(args, ckpts, plain, deadline, "draft_model"), deadline)
+    if "plain" in args.parts and "target" in ckpts and backends.attention_backend(1) != backends.XLA:
+        # The same plain runs with the XLA attention path, for the Pallas-vs-XLA choice at model level.
+        def plain_xla():
+            os.environ[backends.ATTENTION_ENV] = "xla"
+            try:
+                return run_plain(args, ckpts) | {"backends": backends.describe()}
+            finally:
+                os.environ.pop(backends.ATTENTION_ENV, None)
+
+        report.part("plain_xla_attention", plain_xla, deadline)
     compiles = [r.get("compiles_after_warmup", 0) for part in ("plain",)
                 for r in report.data["parts"].get(part, {}).get("rows", [])]
     compiles += [r.get("compiles_after_warmup", 0) for part in ("spec_placeholder", "spec_draft_model")
                  for c in report.data["parts"].get(part, {}).get("configs", []) for r in c.get("rows", [])]
     report.data["compiles_after_warmup_total"] = int(sum(compiles))
+    # specjax turns JAX's persistent compilation cache on by default: a second run loads its executables.
+    report.data["compilation_cache"] = {"SPECJAX_COMPILATION_CACHE": os.environ.get("SPECJAX_COMPILATION_CACHE"),
+                                        "dir": jax.config.jax_compilation_cache_dir}
     report.data["seconds"]["total"] = round(time.perf_counter() - t_start, 2)
     report.save()
     logger.info("wrote %s in %.1fs", args.out, time.perf_counter() - t_start)
