@@ -3,7 +3,8 @@
 One draft step is what a chained head runs K-1 times per engine step: one entry through the head's layer
 (paged KV, as in the engine) plus the LM head and the greedy pick (``head_greedy_tokens``: argmax over the
 draft vocabulary, then d2t). Both configurations share the same layer weights; only the LM head differs
-(the target's [D, V] vs the head's own [D, Vd]). Timed interleaved (A, B, A, B, ...) after warmup; the
+(the target's [D, V] vs the head's own [D, Vd]); ``vdN_scatter`` picks through target-vocabulary logits
+(``head_target_logits`` then argmax, -inf outside the draft vocabulary) instead. Timed interleaved (A, B, A, B, ...) after warmup; the
 median of ``--reps`` calls of ``--inner`` steps each.
 
     python benchmarks/bench_head_vocab.py --target builtin:target --draft-vocab 1024 2048
@@ -23,13 +24,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.heads import FusionHead, HeadConfig, head_embed, head_greedy_tokens, init_head_params
+from models.heads import FusionHead, HeadConfig, head_embed, head_greedy_tokens, head_target_logits, init_head_params
 from models.loading import load_hf_model
 from specjax.builtin import resolve_model
 from specjax.kv_cache import AttentionMetadata, KVCache
 
 
-def make_step(hc: HeadConfig, t_config, block: int):
+def make_step(hc: HeadConfig, t_config, block: int, scatter: bool = False):
+    """``scatter``: pick through target-vocabulary logits (head_target_logits + argmax), the path of an engine
+    that does not call head_greedy_tokens."""
+    from specjax.sample.transforms import argmax_last
+
     head = FusionHead(hc)
 
     @functools.partial(jax.jit, static_argnames=("inner",), donate_argnums=(2, 3))
@@ -40,7 +45,10 @@ def make_step(hc: HeadConfig, t_config, block: int):
             slot = tables[:, :1] * block + p  # [B, 1]: positions stay inside the first block
             x, k, v = head.apply({"params": hp}, head_embed(hp, tp, tok, config=hc), g, p, k, v,
                                  AttentionMetadata(slot_mapping=slot, block_tables=tables), block)
-            tok = head_greedy_tokens(hp, tp, x, config=hc, target_config=t_config)
+            if scatter:
+                tok = argmax_last(head_target_logits(hp, tp, x, config=hc, target_config=t_config))
+            else:
+                tok = head_greedy_tokens(hp, tp, x, config=hc, target_config=t_config)
             return tok, x, k, v
 
         tok, g, k, v = jax.lax.fori_loop(0, inner, body, (tok, g, k, v))
@@ -54,7 +62,8 @@ def bench(target_path: str, draft_vocabs: list[int], batches: list[int], reps: i
     rows = []
     for b in batches:
         block = 256
-        configs = [("full", None)] + [(f"vd{n}", n) for n in draft_vocabs]
+        configs = [("full", None)] + [(f"vd{n}", n) for n in draft_vocabs] + [
+            (f"vd{n}_scatter", n) for n in draft_vocabs[:1]]
         runs = {}
         base = None
         for name, vd in configs:
@@ -71,7 +80,8 @@ def bench(target_path: str, draft_vocabs: list[int], batches: list[int], reps: i
             tables = jnp.arange(b, dtype=jnp.int32)[:, None]
             args = (jnp.ones((b, 1), jnp.int32), jnp.zeros((b, 1, hc.hidden_size), jnp.float32),
                     jnp.full((b, 1), 100, jnp.int32), tables)
-            runs[name] = [make_step(hc, t_config, block), hp, cache.k[0], cache.v[0], args]
+            runs[name] = [make_step(hc, t_config, block, scatter=name.endswith("_scatter")), hp, cache.k[0],
+                          cache.v[0], args]
         for name, r in runs.items():  # warmup (compile)
             tok, r[2], r[3] = r[0](r[1], t_params, r[2], r[3], *r[4], inner=inner)
             jax.block_until_ready(tok)

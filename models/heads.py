@@ -416,20 +416,30 @@ def head_draft_logits(params, target_params, hidden: jax.Array, *, config: HeadC
     return jnp.einsum("btd,dv->btv", normed, w.astype(normed.dtype), preferred_element_type=jnp.float32)
 
 
+def _target_ids(params, idx: jax.Array, config: HeadConfig) -> jax.Array:
+    """Draft-vocabulary indices -> int32 target ids (identity without a draft vocabulary)."""
+    return idx if config.draft_vocab_size is None else params["d2t"][idx].astype(jnp.int32)
+
+
+def _target_vocab(params, logits: jax.Array, config: HeadConfig) -> jax.Array:
+    """Draft-vocabulary logits -> target-vocabulary logits, -inf at ids outside the draft vocabulary."""
+    if config.draft_vocab_size is None:
+        return logits
+    return _scatter_to_target(logits, params["d2t"], config.vocab_size)
+
+
 def head_greedy_tokens(params, target_params, hidden: jax.Array, *, config: HeadConfig,
                        target_config: LlamaConfig) -> jax.Array:
     """int32 target ids [B, T]: the head's argmax draft for each hidden [B, T, D] (what greedy drafting takes)."""
-    idx = _argmax(head_draft_logits(params, target_params, hidden, config=config, target_config=target_config))
-    return idx if config.draft_vocab_size is None else params["d2t"][idx].astype(jnp.int32)
+    logits = head_draft_logits(params, target_params, hidden, config=config, target_config=target_config)
+    return _target_ids(params, _argmax(logits), config)
 
 
 def head_target_logits(params, target_params, hidden: jax.Array, *, config: HeadConfig,
                        target_config: LlamaConfig) -> jax.Array:
     """float32 logits [B, T, V] over the target's vocabulary (-inf outside a draft vocabulary)."""
     logits = head_draft_logits(params, target_params, hidden, config=config, target_config=target_config)
-    if config.draft_vocab_size is None:
-        return logits
-    return _scatter_to_target(logits, params["d2t"], config.vocab_size)
+    return _target_vocab(params, logits, config)
 
 
 head_hidden_to_logits = head_target_logits
@@ -465,17 +475,15 @@ def medusa_draft_logits(params, target_params, hidden: jax.Array, *, config: Hea
 def medusa_greedy_tokens(params, target_params, hidden: jax.Array, *, config: HeadConfig,
                          target_config: LlamaConfig) -> jax.Array:
     """int32 target ids [B, N]: each Medusa head's argmax draft."""
-    idx = _argmax(medusa_draft_logits(params, target_params, hidden, config=config, target_config=target_config))
-    return idx if config.draft_vocab_size is None else params["d2t"][idx].astype(jnp.int32)
+    logits = medusa_draft_logits(params, target_params, hidden, config=config, target_config=target_config)
+    return _target_ids(params, _argmax(logits), config)
 
 
 def medusa_target_logits(params, target_params, hidden: jax.Array, *, config: HeadConfig,
                          target_config: LlamaConfig) -> jax.Array:
     """float32 logits [B, N, V] over the target's vocabulary (-inf outside a draft vocabulary)."""
     logits = medusa_draft_logits(params, target_params, hidden, config=config, target_config=target_config)
-    if config.draft_vocab_size is None:
-        return logits
-    return _scatter_to_target(logits, params["d2t"], config.vocab_size)
+    return _target_vocab(params, logits, config)
 
 
 def init_head_params(config: HeadConfig, key: jax.Array, dtype=jnp.float32) -> dict:

@@ -55,7 +55,7 @@ import numpy as np
 from models.heads import HEAD_LAYOUTS, HEAD_METHODS, FusionHead, HeadConfig, combine_hidden_states, head_embed, \
     head_draft_logits, init_head_params, medusa_draft_logits, save_head, split_trainable
 from models.llama import LlamaConfig, forward_features
-from specjax.train.lm import TrainConfig, get_batch, make_optimizer
+from specjax.train.lm import TrainConfig, check_positive_ints, get_batch, make_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -277,10 +277,7 @@ class HeadTrainConfig:
     def __post_init__(self) -> None:
         if self.method not in HEAD_METHODS:
             raise ValueError(f"method must be one of {list(HEAD_METHODS)}, got {self.method!r}")
-        for name in ("ttt_depth", "num_medusa_heads", "eval_every", "eval_batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive_ints(self, ("ttt_depth", "num_medusa_heads", "eval_every", "eval_batches"))
         if self.layout not in HEAD_LAYOUTS:
             raise ValueError(f"layout must be one of {list(HEAD_LAYOUTS)}, got {self.layout!r}")
 
@@ -376,13 +373,14 @@ def train_head(target: tuple[LlamaConfig, Any], hcfg: HeadTrainConfig, cfg: Trai
     trainable, opt_state = state["params"], state["opt_state"]
     loss_kw = dict(config=config, target_config=t_config, depth=hcfg.depth, buffers=buffers)
 
+    # The target's params are an argument, not a closure: as constants XLA would fold them into the program.
     @jax.jit
-    def step_fn(trainable, opt_state, batch):
+    def step_fn(trainable, opt_state, batch, t_params):
         (loss, m), grads = jax.value_and_grad(head_losses, has_aux=True)(trainable, t_params, batch, **loss_kw)
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, {"loss": loss, **m}
 
-    eval_fn = jax.jit(lambda p, b: head_losses(p, t_params, b, **loss_kw))
+    eval_fn = jax.jit(lambda p, b, t_params: head_losses(p, t_params, b, **loss_kw))
 
     def to_device(batch):
         return {k: jnp.asarray(v) for k, v in batch.items()}
@@ -394,7 +392,7 @@ def train_head(target: tuple[LlamaConfig, Any], hcfg: HeadTrainConfig, cfg: Trai
                 [{"tokens": get_batch(heldout, cfg, 10**6 + i)} for i in range(hcfg.eval_batches)])
 
     def evaluate(trainable) -> dict:
-        ms = [eval_fn(trainable, to_device(b))[1] for b in eval_set]
+        ms = [eval_fn(trainable, to_device(b), t_params)[1] for b in eval_set]
         return {k: round(float(np.mean([m[k] for m in ms])), 4) for k in ms[0]}
 
     end = min(cfg.steps, cfg.stop_at_step) if cfg.stop_at_step else cfg.steps
@@ -404,7 +402,7 @@ def train_head(target: tuple[LlamaConfig, Any], hcfg: HeadTrainConfig, cfg: Trai
                disable=not progress)
     m = {}
     for step in bar:
-        trainable, opt_state, m = step_fn(trainable, opt_state, to_device(next_batch(step)))
+        trainable, opt_state, m = step_fn(trainable, opt_state, to_device(next_batch(step)), t_params)
         done = step + 1
         if done % cfg.log_every == 0:
             bar.set_postfix({k: f"{float(v):.3f}" for k, v in m.items()})

@@ -141,6 +141,14 @@ def train_forward(params: Mapping[str, Any], tokens: jax.Array, *, config: Llama
 # --------------------------------------------------------------------------- configs
 
 
+def check_positive_ints(config, names) -> None:
+    """ValueError naming the first of ``names`` that is not a positive int on ``config``."""
+    for name in names:
+        v = getattr(config, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = 3000
@@ -162,10 +170,7 @@ class TrainConfig:
     """> 0: stop (checkpoint + export) once this step is done, even mid-schedule: a reproducible cut."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "log_every", "ckpt_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive_ints(self, ("steps", "batch_size", "seq_len", "log_every", "ckpt_every"))
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps), got {self.warmup_steps}")
         if not self.lr > 0:

@@ -259,10 +259,9 @@ class GenConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_rows", "batch_size", "max_prompt_tokens", "max_new_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        from specjax.train.lm import check_positive_ints
+
+        check_positive_ints(self, ("num_rows", "batch_size", "max_prompt_tokens", "max_new_tokens"))
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
 
