@@ -186,7 +186,7 @@ def reset_suffix_cache(llm) -> None:
     from specjax.spec_decode.suffix import SuffixProposer
 
     c = llm.speculative_config
-    llm.engine.proposer = SuffixProposer(
+    llm.engine.proposer.drafter = SuffixProposer(
         num_speculative_tokens=c.num_speculative_tokens, max_tree_depth=c.suffix_decoding_max_tree_depth,
         max_cached_requests=c.suffix_decoding_max_cached_requests,
         max_spec_factor=c.suffix_decoding_max_spec_factor, min_token_prob=c.suffix_decoding_min_token_prob,

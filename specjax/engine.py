@@ -289,13 +289,12 @@ class Engine:
             host_drafts = self.proposer.propose_host([r.request.request_id for r in rows],
                                                      [table.history(s) for s in slots], limits.tolist())
             limits = np.asarray([len(d) for d in host_drafts], np.int32)
-        detached = False
-        if self.controller is not None:
-            plan = self.controller.decide(
-                bucket_for(n, self.config.row_buckets, "num_seqs"), [r.request.request_id for r in rows],
-                [r.request.params.temperature > 0 for r in rows], limits, can_draft)
-            limits, detached = np.minimum(limits, plan.caps), plan.detached
-        return int(limits.max(initial=0)), limits, host_drafts, detached and self.proposer.syncs
+        if self.controller is None:  # a static K: the step verifies K drafts whenever any row has one
+            return (k if limits.any() else 0), limits, host_drafts, False
+        plan = self.controller.decide(
+            bucket_for(n, self.config.row_buckets, "num_seqs"), [r.request.request_id for r in rows],
+            [r.request.params.temperature > 0 for r in rows], limits, can_draft)
+        return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""

@@ -141,8 +141,13 @@ class LLM:
             seed=seed,
             data_parallel_size=data_parallel_size,
         )
-        self.tokenizer = load_tokenizer(os.fspath(tokenizer) if tokenizer is not None else self.model_path)
+        self.tokenizer_path = os.fspath(tokenizer) if tokenizer is not None else self.model_path
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.eos_token_ids = tuple(read_generation_eos(self.model_path, self.model_config))
+        draft_tp = spec.draft_tensor_parallel_size if spec is not None else None
+        if draft_tp not in (None, 1, tensor_parallel_size):
+            raise ValueError(f"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size="
+                             f"{tensor_parallel_size}, got {draft_tp}")
         if spec is not None and spec.max_model_len is not None and spec.max_model_len < max_model_len:
             raise ValueError(
                 f"speculative_config.max_model_len={spec.max_model_len} is below LLM max_model_len="
@@ -263,6 +268,42 @@ class LLM:
             for (text, _), r in zip(parsed, requests)
         ]
 
+    def get_tokenizer(self):
+        """The model's ``tokenizers.Tokenizer`` (None when the model directory has none)."""
+        return self.tokenizer
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them.
+
+        Each conversation is rendered with the model's chat template (:mod:`specjax.chat`), tokenized and
+        generated like a prompt of :meth:`generate`; a bad message raises ValueError naming it.
+        """
+        from specjax.chat import ChatTemplate
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer (tokenizer.json or GGUF metadata)")
+        single = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        if not conversations:
+            raise ValueError("messages must be a non-empty list of messages (or of conversations)")
+        template = ChatTemplate.for_model(self.tokenizer_path)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            text = template.render(conv, add_generation_prompt, field="messages" if single else f"messages[{i}]")
+            ids = self.tokenizer.encode(text, add_special_tokens=template.add_special_tokens).ids
+            prompts.append({"prompt_token_ids": ids})
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out, prompt in zip(outputs, prompts):
+            out.prompt = self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+        return outputs
+
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
@@ -297,4 +338,5 @@ class LLM:
             **self.engine.latency.as_dict(),
             **(self.engine.spec_stats.as_dict() if self.engine.spec_stats is not None else {}),
             **({f"{k}_time_s": v for k, v in self.runner.phase_seconds.items()} if self.runner.profile else {}),
+            **(self.engine.controller.as_dict() if self.engine.controller is not None else {}),
         }

@@ -129,3 +129,39 @@ def test_a_real_models_template_from_its_gguf_file_matches_transformers():
         for generation_prompt in (True, False):
             assert t.render(messages, add_generation_prompt=generation_prompt) == tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+# --------------------------------------------------------------------------- LLM.chat
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory):
+    """The shipped target with a tokenizer directory that holds TEMPLATE."""
+    tok_dir = _tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    return specjax.LLM("builtin:target", tokenizer=tok_dir, warmup=False, max_model_len=128, max_num_seqs=2,
+                       max_prefill_chunk=64, query_buckets=(1, 64)), tok_dir
+
+
+def test_llm_chat_is_generate_on_the_rendered_template(chat_llm):
+    llm, tok_dir = chat_llm
+    assert llm.get_tokenizer() is llm.tokenizer
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    text = ChatTemplate.for_model(tok_dir).render(MESSAGES)
+    ids = llm.tokenizer.encode(text, add_special_tokens=False).ids
+    expected = llm.generate({"prompt_token_ids": ids}, params)[0]
+    got = llm.chat(MESSAGES, params)
+    assert len(got) == 1 and got[0].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert got[0].prompt_token_ids == ids and got[0].prompt == llm.tokenizer.decode(ids, skip_special_tokens=False)
+    # A list of conversations: one output each, in order.
+    two = llm.chat([MESSAGES, MESSAGES[1:]], params)
+    assert [o.outputs[0].token_ids for o in two][0] == expected.outputs[0].token_ids and len(two) == 2
+
+
+def test_llm_chat_rejects_bad_messages_by_field(chat_llm):
+    llm, _ = chat_llm
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role"):
+        llm.chat([{"role": "", "content": "x"}])
+    with pytest.raises(ValueError, match=r"messages\[1\]\[0\]\.content"):
+        llm.chat([MESSAGES, [{"role": "user", "content": "\ud800"}]])
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([])

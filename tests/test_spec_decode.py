@@ -1,5 +1,6 @@
 """Speculative decoding in the engine: lossless greedy, exact sampling, metrics, compiles, validation."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -99,16 +100,17 @@ def test_mixed_batch_all_accepted_next_to_first_position_rejection(target_dir, p
     expected = _ids(plain.generate(prompts, params))
     keys = [tuple(p["prompt_token_ids"]) for p in prompts]
     k = 4
-    llm = specjax.LLM(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k},
-                      warmup=False, **KW)
+    llm = specjax.LLM(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                                      "adaptive": False}, warmup=False, **KW)
     llm.engine.proposer.drafter = OracleProposer(dict(zip(keys, expected)), wrong_ids={keys[1]})
     assert _ids(llm.generate(prompts, params)) == expected
     m = llm.get_metrics()
-    # Row 0 accepts all 4 drafts + a bonus every step: 20 tokens in 4 steps. Row 1 is rejected at
-    # position 0 every step and advances by the recovered token alone: 20 steps.
-    assert m["num_drafts"] == 4 + 20
-    assert m["num_accepted_tokens"] == 4 * k
-    assert m["accepted_per_position"] == [4] * k
+    # The first token of each row comes from its prompt's step. Row 0 then accepts every draft plus a bonus:
+    # 5 + 5 + 5 + 4 tokens (the last step drafts 3: only 4 tokens remain). Row 1 is rejected at position 0
+    # every step and advances by the corrected token alone; it drafts while at least 2 tokens remain: 18 steps.
+    assert m["num_drafts"] == 4 + 18
+    assert m["num_accepted_tokens"] == 3 * k + 3
+    assert m["accepted_per_position"] == [4, 4, 4, 3]
 
 
 def test_stop_inside_an_accepted_block(target_dir, plain):
@@ -154,17 +156,26 @@ def test_self_drafting_probabilistic_at_temperature_one(target_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [
-    {"method": "draft_model", "draft_sample_method": "probabilistic", "num_speculative_tokens": 2},
+    {"method": "draft_model", "num_speculative_tokens": 2},
     {"method": "draft_model", "draft_sample_method": "greedy", "num_speculative_tokens": 2},
-    {"method": "draft_model", "draft_sample_method": "probabilistic", "num_speculative_tokens": 2,
-     "rejection_sample_method": "block"},
-], ids=["probabilistic", "greedy-draft", "block"])
+    {"method": "draft_model", "num_speculative_tokens": 2, "rejection_sample_method": "block"},
+    {"method": "eagle", "num_speculative_tokens": 2},
+], ids=["probabilistic", "greedy-draft", "block", "eagle-head"])
 def test_sampled_two_token_distribution_is_the_targets(tmp_path, spec):
-    """Frequencies of (t1, t2) under speculation match the target's exact joint law (from transformers)."""
+    """Frequencies of (t1, t2) under speculation (adaptive K, drafts sampled from the draft's own distribution
+    by default) match the target's exact joint law (from transformers)."""
     vocab = 6
     target = make_tiny_checkpoint(tmp_path / "t", vocab_size=vocab, eos_token_id=None, logit_scale=1.5, seed=1)
-    draft = make_tiny_checkpoint(tmp_path / "d", vocab_size=vocab, eos_token_id=None, logit_scale=1.5, seed=2,
-                                 num_layers=1)
+    if spec["method"] == "eagle":
+        from models.heads import HeadConfig, init_head_params, save_head
+        from models.loading import load_hf_model
+
+        head = HeadConfig.for_target("eagle", load_hf_model(target)[0])
+        params = jax.tree.map(lambda x: 3.0 * x if x.ndim > 1 else x, init_head_params(head, jax.random.key(2)))
+        draft = save_head(tmp_path / "eagle", head, params, dtype="float32")
+    else:
+        draft = make_tiny_checkpoint(tmp_path / "d", vocab_size=vocab, eos_token_id=None, logit_scale=1.5, seed=2,
+                                     num_layers=1)
     prompt = [1, 4, 2]
     hf = load_hf_torch_model(target)
     with torch.no_grad():
@@ -176,9 +187,10 @@ def test_sampled_two_token_distribution_is_the_targets(tmp_path, spec):
     llm = specjax.LLM(target, speculative_config=spec | {"model": str(draft)}, warmup=False,
                       max_model_len=16, max_num_seqs=64, block_size=4, max_prefill_chunk=4,
                       num_kv_blocks=64 * 4, max_num_batched_tokens=256)
-    params = [specjax.SamplingParams(temperature=1.0, max_tokens=2, seed=s) for s in range(n)]
+    # t1 comes from the prompt's (plain) step; t2 and t3 from one step verifying up to 2 drafts.
+    params = [specjax.SamplingParams(temperature=1.0, max_tokens=4, seed=s) for s in range(n)]
     outs = _ids(llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False))
-    counts = np.bincount([a * vocab + b for a, b in outs], minlength=vocab * vocab)
+    counts = np.bincount([o[0] * vocab + o[1] for o in outs], minlength=vocab * vocab)
     assert llm.get_metrics()["num_accepted_tokens"] > 0
     keep = joint * n >= 5  # chi-square needs expected counts >= 5; pool the rest
     obs = np.append(counts[keep], counts[~keep].sum())
@@ -189,8 +201,8 @@ def test_sampled_two_token_distribution_is_the_targets(tmp_path, spec):
 
 def test_synthetic_acceptance_length(target_dir):
     llm = specjax.LLM(target_dir, speculative_config={
-        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 1.875, "num_speculative_tokens": 3},
-        warmup=False, **KW)
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 1.875, "num_speculative_tokens": 3,
+        "adaptive": False}, warmup=False, **KW)
     params = specjax.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     llm.generate(_prompts(3, [4, 5, 6, 7] * 4), params)
     assert llm.get_metrics()["mean_acceptance_length"] == pytest.approx(1.875, abs=0.15)
@@ -215,7 +227,9 @@ def test_preemption_under_speculation(target_dir, draft_dir, plain):
     prompts = _prompts(4, [20, 25, 30, 18])
     params = [specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
               specjax.SamplingParams(temperature=0.9, max_tokens=20, seed=1, ignore_eos=True)] * 2
-    spec = {"model": str(draft_dir), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    # A fixed K: the sampled rows' tokens then depend only on their seeds (adaptive K may differ run to run).
+    spec = {"model": str(draft_dir), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic",
+            "adaptive": False}
     roomy = specjax.LLM(target_dir, speculative_config=spec, warmup=False, **KW)
     expected = _ids(roomy.generate(prompts, params))
     small = specjax.LLM(target_dir, speculative_config=spec, warmup=False, num_kv_blocks=12, **KW)
@@ -299,8 +313,8 @@ def test_ngram_warmup_covers_no_draft_steps_and_cli_reports_acceptance(target_di
     assert got == _ids(plain.generate(prompts, GREEDY))
     from specjax.cli import main
 
-    rc = main(["generate", "--model", str(target_dir), "--prompt-token-ids", "5,6,7,5,6,7,5,6", "--max-tokens", "8",
-               "--no-warmup", "--max-model-len", "64", "--speculative-config", '{"method": "ngram", '
+    rc = main(["generate", "--model", str(target_dir), "--prompt-token-ids", "5,6,7,5,6,7,5,6", "--max-tokens", "16",
+               "--temperature", "0", "--no-warmup", "--max-model-len", "64", "--speculative-config", '{"method": "ngram", '
                '"num_speculative_tokens": 2, "prompt_lookup_min": 1}'])
     assert rc == 0
     assert "acceptance rate" in capsys.readouterr().err

@@ -30,17 +30,43 @@ def head_dir(target_dir, tmp_path_factory):
 
 
 class _Fetches:
-    """Counts every conversion of a jax.Array to a host numpy value (np.asarray, .tolist(), int(), device_get)."""
+    """Counts every conversion of a jax.Array to host values, at each place one can happen from Python.
+
+    The array's own conversion methods (``__array__`` / ``_value``, which ``jax.device_get`` goes through, and
+    ``tolist``, ``item``, ``int()``, ``float()``, ``bool()``, ``index``) and numpy's ``asarray`` / ``array``, which
+    on CPU read a jax.Array through the buffer protocol without calling any of its methods. One conversion may
+    pass through two of these (``device_get`` calls ``__array__``, which reads ``_value``); only the outermost
+    counts.
+    """
 
     def __init__(self, monkeypatch):
         self.count = 0
-        original = ArrayImpl._value
+        self._depth = 0
 
-        def counting(array):
-            self.count += 1
-            return original.fget(array)
+        def counted(fn):
+            def wrapper(*args, **kwargs):
+                outer = self._depth == 0
+                self._depth += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+                    self.count += outer
+            return wrapper
 
-        monkeypatch.setattr(ArrayImpl, "_value", property(counting))
+        for name in ("__array__", "tolist", "item", "__int__", "__float__", "__bool__", "__index__"):
+            monkeypatch.setattr(ArrayImpl, name, counted(getattr(ArrayImpl, name)))
+        value = ArrayImpl.__dict__["_value"]
+        monkeypatch.setattr(ArrayImpl, "_value", property(counted(value.fget)))
+        for name in ("asarray", "array"):
+            original = getattr(np, name)
+
+            def numpy_conversion(x, *args, _original=original, **kwargs):
+                if isinstance(x, jax.Array):
+                    return counted(_original)(x, *args, **kwargs)
+                return _original(x, *args, **kwargs)
+
+            monkeypatch.setattr(np, name, numpy_conversion)
 
 
 def _spec(method, target_dir, head_dir):
@@ -62,13 +88,13 @@ def test_one_fetch_and_one_call_per_step(target_dir, head_dir, method, monkeypat
               specjax.SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True, seed=1)]
     llm.generate(prompts, params, use_tqdm=False)  # the first real steps
     calls = {"n": 0}
-    real_get = llm.runner.executables.get
+    for executables in (llm.runner.executables, llm.runner.detached):  # attached steps and detached plain ones
 
-    def get(bucket):
-        calls["n"] += 1
-        return real_get(bucket)
+        def get(bucket, _real=executables.get):
+            calls["n"] += 1
+            return _real(bucket)
 
-    monkeypatch.setattr(llm.runner.executables, "get", get)
+        monkeypatch.setattr(executables, "get", get)
     fetches = _Fetches(monkeypatch)
     steps_before = llm.get_metrics()["num_steps"]
     with count_compiles() as compiles:

@@ -21,7 +21,7 @@ steps. A row's cap stops where one more draft adds less than ``min_gain``
 expected tokens, so a request whose drafts keep failing stops drafting while
 others go on; when no row would draft, the step is plain. Rows that have not
 speculated for ``probe_every`` decoding steps get a one-draft probe so their
-estimate can recover.
+estimate can recover (a step that would be plain drafts one token for them).
 """
 
 from __future__ import annotations
@@ -177,18 +177,17 @@ class SpeculationController:
         limits = np.minimum(np.asarray(limits, np.int64), self.k_max) * np.asarray(can_draft, bool)
         gains = np.zeros((n, self.k_max + 1))  # [R, K_max + 1]: expected accepted drafts at each K
         caps_at = np.zeros((n, self.k_max + 1), np.int64)
+        probing = np.zeros(n, bool)
         for i, (rid, smp) in enumerate(zip(request_ids, sampled)):
             alpha = self.conditional_acceptance(rid, smp)
             reach = np.cumprod(alpha)  # [K_max]: P(draft j accepted) = expected gain of position j
             useful = int(np.sum(np.cumprod(reach >= cfg.min_gain)))  # positions worth drafting
-            if cfg.probe_every and self._idle_steps.get(rid, 0) >= cfg.probe_every:
-                useful = max(useful, 1)  # a probe: one draft, so a stale estimate can recover
-            cap_row = min(useful, int(limits[i]))
+            probing[i] = bool(cfg.probe_every and limits[i] and self._idle_steps.get(rid, 0) >= cfg.probe_every)
+            cap_row = min(max(useful, int(probing[i])), int(limits[i]))
             exp = self.expected_accepted(alpha)
             for k in range(self.k_max + 1):
-                c = min(k, cap_row)
-                caps_at[i, k] = c
-                gains[i, k] = exp[c]
+                caps_at[i, k] = min(k, cap_row)
+                gains[i, k] = exp[caps_at[i, k]]
         best_k, best_rate = 0, -1.0
         for k in range(self.k_max + 1):
             if k and not caps_at[:, k].any():
@@ -205,9 +204,20 @@ class SpeculationController:
             else:
                 self._detach_votes = 0
         k = 0 if detached else best_k
+        if k == 0 and not detached and probing.any():
+            k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
         caps = caps_at[:, k].astype(np.int32) if k else np.zeros(n, np.int32)
         for rid, c in zip(request_ids, caps):
             self._idle_steps[rid] = 0 if c else self._idle_steps.get(rid, 0) + 1
         self.k_histogram[k] += 1
         self.num_detached_steps += int(detached)
         return Decision(k=k, caps=caps, detached=detached)
+
+    def as_dict(self) -> dict:
+        """Metrics: how often each K was chosen for a decoding step, and the share of plain ones."""
+        steps = int(self.k_histogram.sum())
+        return {
+            "k_histogram": self.k_histogram.tolist(),
+            "plain_step_share": float(self.k_histogram[0] / steps) if steps else 0.0,
+            "num_detached_steps": self.num_detached_steps,
+        }

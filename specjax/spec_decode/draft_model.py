@@ -26,29 +26,8 @@ from models.loading import load_hf_model
 from specjax.builtin import resolve_model
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
 from specjax.parallel.sharding import ShardingPlan
-from specjax.sample.transforms import argmax_last, row_exponentials, sample_with_exponentials, transform_logits
+from specjax.spec_decode.drafting import draft_keys, draw_draft
 from specjax.spec_decode.proposer import BuildContext, Proposer, register
-
-
-_DRAFT_KEY_TAG = 0x44524654  # "DRFT"
-
-
-def draw_draft(
-    logits: jax.Array, temperature, top_k, top_p, keys: jax.Array, *, probabilistic: bool
-) -> tuple[jax.Array, jax.Array | None]:
-    """One draft token per row of ``logits [B, V]`` and, when probabilistic, its distribution q [B, V].
-
-    Greedy target rows always draft the argmax (greedy verification ignores q).
-    q goes through the same transforms as the target (temperature, top-k, top-p),
-    which exact random verification requires.
-    """
-    greedy = argmax_last(logits)  # [B]
-    if not probabilistic:
-        return greedy, None
-    shaped = transform_logits(logits, temperature, top_k, top_p)  # [B, V]
-    q = jax.nn.softmax(shaped, axis=-1)
-    sampled = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
-    return jnp.where(temperature > 0, sampled, greedy), q
 
 
 def draft_propose(
@@ -106,11 +85,8 @@ def draft_propose(
     )  # [B, min(k, 1), V]
     if k == 0:  # a plain step: the draft only keeps its cache in step with the target's
         return jnp.zeros((b, 0), jnp.int32), None, draft_cache
-    # A tag of its own: with partitionable threefry, split(key)[i] == fold_in(key, i), so folding in small
-    # ints would reuse the verifier's noise (it splits the same row key) and bias the output.
-    draft_base = jax.vmap(lambda key: jax.random.fold_in(key, _DRAFT_KEY_TAG))(keys)
-    draft_keys = lambda j: jax.vmap(lambda key: jax.random.fold_in(key, j))(draft_base)  # noqa: E731
-    tok, q = draw(logits[:, 0], draft_keys(0))
+    draft_key = draft_keys(keys)
+    tok, q = draw(logits[:, 0], draft_key(0))
     draft_ids = jnp.zeros((b, k), jnp.int32).at[:, 0].set(tok)  # [B, K]
     vocab = logits.shape[-1]
     draft_probs = jnp.zeros((b, k, vocab), jnp.float32).at[:, 0].set(q) if probabilistic else None
@@ -124,7 +100,7 @@ def draft_propose(
         slot = slots_for_positions(batch.block_tables, pos, (j < num_drafts)[:, None], block_size)
         step_md = AttentionMetadata(slot_mapping=slot, block_tables=batch.block_tables)
         step_logits, _, cache = forward(draft_params, prev[:, None], pos, cache, step_md, config=config)
-        tok, q = draw(step_logits[:, 0], draft_keys(j))
+        tok, q = draw(step_logits[:, 0], draft_key(j))
         draft_ids = draft_ids.at[:, j].set(tok)
         if probabilistic:
             draft_probs = draft_probs.at[:, j].set(q)
@@ -181,12 +157,7 @@ class DraftModelProposer(Proposer):
 @register("draft_model")
 def build(ctx: BuildContext) -> DraftModelProposer:
     spec = ctx.spec
-    draft_tp = spec.draft_tensor_parallel_size
-    if draft_tp not in (None, 1, ctx.tensor_parallel_size):
-        raise ValueError(
-            f"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size={ctx.tensor_parallel_size}, "
-            f"got {draft_tp}"
-        )
+    draft_tp = spec.draft_tensor_parallel_size  # checked against the target's by LLM
     path = resolve_model(spec.model)
     config, params = load_hf_model(path, dtype=ctx.dtype)
     vocab_map = None

@@ -18,27 +18,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.heads import FusionHead, HeadConfig, combine_hidden_states, head_hidden_to_logits
+from models.heads import FusionHead, HeadConfig, combine_hidden_states, head_embed, head_greedy_tokens, \
+    head_target_logits
 from models.llama import LlamaConfig
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
-from specjax.sample.transforms import argmax_last
+from specjax.spec_decode.drafting import draft_keys, draw_draft
 from specjax.spec_decode.heads import HeadProposer, HeadState, load_head_for
 from specjax.spec_decode.proposer import BuildContext, Verified, register
 
 
-def _embed(target_params, tokens: jax.Array) -> jax.Array:  # int [B, T] -> [B, T, D]
-    return jnp.take(target_params["embed_tokens"]["embedding"], tokens, axis=0, mode="clip")
-
-
 def fusion_head_drafts(
     head_params, target_params, head_cache: KVCache, batch, verified: Verified, *, config: HeadConfig,
-    target_config: LlamaConfig, num_out: int,
-) -> tuple[jax.Array, KVCache]:
-    """Drafts ``[B, num_out]`` for the next step of every row, and the updated head cache.
+    target_config: LlamaConfig, num_out: int, keys: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """Drafts ``[B, num_out]`` for the next step of every row, their q, and the updated head cache.
 
     ``verified`` holds the window (catch-up tokens then drafts), its target features and the rejection
     sampler's result; ``batch.next_token`` is the prompt token after this chunk for rows still
-    prefilling (-1 for rows that sampled).
+    prefilling (-1 for rows that sampled). ``keys`` [B] (the rows' next-step keys): rows that sample draw
+    their drafts from the head's distribution shaped as the target's and q ``[B, num_out, V]`` is returned;
+    None drafts greedily (q None).
     """
     block_size = head_cache.block_size
     win_tokens, win_pos, win_slots = verified.tokens, verified.positions, verified.slot_mapping  # [B, W]
@@ -60,39 +59,52 @@ def fusion_head_drafts(
     md = AttentionMetadata(slot_mapping=jnp.where(entry_ok, win_slots, -1), block_tables=batch.block_tables)
     head = FusionHead(config)
     feats = combine_hidden_states(head_params, verified.features, config=config)  # [B, W, D]
+
+    def embed(tokens):  # int [B, T] -> [B, T, D]: the head's own table or the target's
+        return head_embed(head_params, target_params, tokens, config=config)
+
+    draw_key = None if keys is None else draft_keys(keys)
+
+    def next_token(hidden, j):  # [B, 1, D] -> ([B] target ids, q [B, V] or None)
+        if keys is None:  # a reduced draft vocabulary maps back through d2t
+            return head_greedy_tokens(head_params, target_params, hidden, config=config,
+                                      target_config=target_config)[:, 0], None
+        logits = head_target_logits(head_params, target_params, hidden, config=config, target_config=target_config)
+        return draw_draft(logits[:, 0], batch.temperature, batch.top_k, batch.top_p, draw_key(j), probabilistic=True)
+
     x, k_c, v_c = head.apply(
-        {"params": head_params}, _embed(target_params, nxt), feats, win_pos, head_cache.k[0], head_cache.v[0], md,
-        block_size,
+        {"params": head_params}, embed(nxt), feats, win_pos, head_cache.k[0], head_cache.v[0], md, block_size,
     )  # x [B, W, D]
     g = x[rows, last]  # [B, D]: head hidden of the last true entry
 
-    def next_token(hidden):  # [B, 1, D] -> [B]
-        return argmax_last(head_hidden_to_logits(head_params, target_params, hidden, config=config,
-                                                 target_config=target_config)[:, 0])
-
-    drafts = jnp.zeros((b, num_out), jnp.int32).at[:, 0].set(next_token(g[:, None]))
+    tok, q = next_token(g[:, None], 0)
+    drafts = jnp.zeros((b, num_out), jnp.int32).at[:, 0].set(tok)
+    qs = None if q is None else jnp.zeros((b, num_out, q.shape[-1]), jnp.float32).at[:, 0].set(q)  # [B, N, V]
     base = win_pos[rows, last]  # [B]
     limit = batch.block_tables.shape[1] * block_size
 
     def body(i, carry):
-        drafts, g, k_c, v_c = carry
+        drafts, qs, g, k_c, v_c = carry
         pos = (base + i)[:, None]  # [B, 1]: entry (d_i, g) sits one position past the previous one
         slot = slots_for_positions(batch.block_tables, pos, pos < limit, block_size)
         step_md = AttentionMetadata(slot_mapping=slot, block_tables=batch.block_tables)
         prev = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1]: d_i
-        x, k_c, v_c = head.apply({"params": head_params}, _embed(target_params, prev), g[:, None], pos, k_c, v_c,
-                                 step_md, block_size)
-        return drafts.at[:, i].set(next_token(x)), x[:, 0], k_c, v_c
+        x, k_c, v_c = head.apply({"params": head_params}, embed(prev), g[:, None], pos, k_c, v_c, step_md,
+                                 block_size)
+        tok, q = next_token(x, i)
+        return drafts.at[:, i].set(tok), None if qs is None else qs.at[:, i].set(q), x[:, 0], k_c, v_c
 
-    drafts, _, k_c, v_c = jax.lax.fori_loop(1, num_out, body, (drafts, g, k_c, v_c))
-    return drafts, KVCache(k=(k_c,), v=(v_c,), block_size=block_size)
+    drafts, qs, _, k_c, v_c = jax.lax.fori_loop(1, num_out, body, (drafts, qs, g, k_c, v_c))
+    return drafts, qs, KVCache(k=(k_c,), v=(v_c,), block_size=block_size)
 
 
 class FusionHeadProposer(HeadProposer):
     """EAGLE / EAGLE-3 / MTP: see the module docstring."""
 
-    def __init__(self, config: HeadConfig, params, *, target_config: LlamaConfig, num_speculative_tokens: int, mesh):
-        super().__init__(config, params, num_speculative_tokens=num_speculative_tokens, mesh=mesh)
+    def __init__(self, config: HeadConfig, params, *, target_config: LlamaConfig, num_speculative_tokens: int, mesh,
+                 sampled_drafts: bool):
+        super().__init__(config, params, num_speculative_tokens=num_speculative_tokens, mesh=mesh,
+                         sampled_drafts=sampled_drafts)
         self.target_config = target_config
         self.features = "aux" if config.method == "eagle3" else "hidden"
         self.aux_layer_ids = config.aux_layer_ids
@@ -106,15 +118,17 @@ class FusionHeadProposer(HeadProposer):
                                 dtype=kv_dtype, sharding=self._replicated)
 
     def update(self, params, target_params, state: HeadState, batch, verified, *, k):
-        drafts, kv = fusion_head_drafts(params, target_params, state.kv, batch, verified, config=self.config,
-                                        target_config=self.target_config, num_out=self.num_out)
-        return self.store(state, batch, drafts, kv)
+        keys = self.next_step_keys(batch, verified) if self.sampled_drafts else None
+        drafts, q, kv = fusion_head_drafts(params, target_params, state.kv, batch, verified, config=self.config,
+                                           target_config=self.target_config, num_out=self.num_out, keys=keys)
+        return self.store(state, batch, drafts, kv, q)
 
 
 def _build(ctx: BuildContext) -> FusionHeadProposer:
     config, params = load_head_for(ctx)
     return FusionHeadProposer(config, params, target_config=ctx.target_config,
-                              num_speculative_tokens=ctx.spec.num_speculative_tokens, mesh=ctx.mesh)
+                              num_speculative_tokens=ctx.spec.num_speculative_tokens, mesh=ctx.mesh,
+                              sampled_drafts=ctx.spec.draft_sample_method != "greedy")
 
 
 for _method in ("eagle", "eagle3", "mtp"):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from models.heads import HeadConfig, medusa_hidden
-from models.llama import LlamaConfig, lm_head_logits
-from specjax.sample.transforms import argmax_last
+from models.heads import HeadConfig, medusa_greedy_tokens, medusa_target_logits
+from models.llama import LlamaConfig
+from specjax.spec_decode.drafting import draft_keys, draw_draft
 from specjax.spec_decode.heads import HeadProposer, HeadState, load_head_for
 from specjax.spec_decode.proposer import BuildContext, register
 
@@ -23,17 +23,27 @@ class MedusaProposer(HeadProposer):
 
     features = "hidden"
 
-    def __init__(self, config: HeadConfig, params, *, target_config: LlamaConfig, num_speculative_tokens: int, mesh):
-        super().__init__(config, params, num_speculative_tokens=num_speculative_tokens, mesh=mesh)
+    def __init__(self, config: HeadConfig, params, *, target_config: LlamaConfig, num_speculative_tokens: int, mesh,
+                 sampled_drafts: bool):
+        super().__init__(config, params, num_speculative_tokens=num_speculative_tokens, mesh=mesh,
+                         sampled_drafts=sampled_drafts)
         self.target_config = target_config
 
     def update(self, params, target_params, state: HeadState, batch, verified, *, k):
         rows = jnp.arange(verified.tokens.shape[0])
         accepted = jnp.where(batch.next_token >= 0, 0, verified.accepted)  # rows still prefilling: none
         h = verified.features[rows, batch.last_index + accepted]  # [B, D]
-        logits = lm_head_logits(target_params, medusa_hidden(params, h, config=self.config),
-                                config=self.target_config)  # [B, N, V]
-        return self.store(state, batch, argmax_last(logits)[:, : self.num_out].astype(jnp.int32), None)
+        if not self.sampled_drafts:
+            drafts = medusa_greedy_tokens(params, target_params, h, config=self.config,
+                                          target_config=self.target_config)  # [B, N] target ids
+            return self.store(state, batch, drafts[:, : self.num_out], None)
+        logits = medusa_target_logits(params, target_params, h, config=self.config,
+                                      target_config=self.target_config)[:, : self.num_out]  # [B, K, V]
+        key = draft_keys(self.next_step_keys(batch, verified))
+        drawn = [draw_draft(logits[:, j], batch.temperature, batch.top_k, batch.top_p, key(j), probabilistic=True)
+                 for j in range(self.num_out)]  # K is small and static: one draw per head
+        drafts = jnp.stack([t for t, _ in drawn], axis=1)  # [B, K]
+        return self.store(state, batch, drafts, None, jnp.stack([q for _, q in drawn], axis=1))
 
 
 @register("medusa")
@@ -42,4 +52,5 @@ def build(ctx: BuildContext) -> MedusaProposer:
     k = ctx.spec.num_speculative_tokens
     if k > config.num_medusa_heads:
         raise ValueError(f"num_speculative_tokens={k} exceeds the Medusa head count {config.num_medusa_heads}")
-    return MedusaProposer(config, params, target_config=ctx.target_config, num_speculative_tokens=k, mesh=ctx.mesh)
+    return MedusaProposer(config, params, target_config=ctx.target_config, num_speculative_tokens=k, mesh=ctx.mesh,
+                          sampled_drafts=ctx.spec.draft_sample_method != "greedy")

@@ -1,0 +1,146 @@
+"""Adaptive speculation length vs plain decoding vs the best static K, across loads (issue 13).
+
+For each method on the shipped pair (draft_model with builtin:draft, eagle3 with builtin:eagle3, ngram) and
+each load (batch 1 / 8 / 32 requests in one ``generate`` call, greedy / temperature 0.8 seeded per prompt),
+every system generates the same held-out stdlib prompts (``--prompt-len`` tokens, ``--new-tokens`` new tokens,
+ignore_eos) in interleaved rounds: plain decoding of the target, the adaptive controller
+(``"adaptive": true``, K <= 4) and static K in ``--static-ks`` (``"adaptive": false``). Every LLM is built and
+compiled first (``warmup=True``, which also times each step kind for the controller); one untimed run per
+system and load, then ``--reps`` rounds. Reported: tokens/s (median), speed-up over plain, and for adaptive its
+chosen-K histogram and share of plain steps. Greedy outputs are checked equal to plain decoding's.
+
+    python benchmarks/bench_adaptive.py --out benchmarks/results/adaptive.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import specjax
+from bench_builtin import machine_info, token_prompts
+
+logger = logging.getLogger("bench_adaptive")
+
+METHODS = {
+    "draft_model": {"method": "draft_model", "model": "builtin:draft"},
+    "eagle3": {"method": "eagle3", "model": "builtin:eagle3"},
+    "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+}
+
+
+def build(args, spec: dict | None) -> specjax.LLM:
+    return specjax.LLM(args.model, speculative_config=spec, max_model_len=args.prompt_len + args.new_tokens + 8,
+                       max_num_seqs=max(args.batches), seed=0)
+
+
+def run_load(llm, prompts, batch: int, temperature: float, new_tokens: int):
+    params = [specjax.SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=i)
+              for i in range(batch)]
+    before = llm.get_metrics()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, [o.outputs[0].token_ids for o in outs], before, llm.get_metrics()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/adaptive.json"))
+    ap.add_argument("--model", default="builtin:target")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    ap.add_argument("--static-ks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--k-max", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    t0 = time.perf_counter()
+    plain = build(args, None)
+    prompts = token_prompts(plain.tokenizer, max(args.batches), args.prompt_len)
+    systems = {}
+    for method in args.methods:
+        base = dict(METHODS[method])
+        systems[(method, "adaptive")] = build(args, {**base, "num_speculative_tokens": args.k_max, "adaptive": True})
+        for k in args.static_ks:
+            systems[(method, f"K={k}")] = build(args, {**base, "num_speculative_tokens": k, "adaptive": False})
+    compile_s = time.perf_counter() - t0
+    logger.info("built and compiled %d systems in %.0fs", len(systems) + 1, compile_s)
+
+    results = []
+    for batch in args.batches:
+        for temperature in args.temperatures:
+            for method in args.methods:
+                names = ["plain"] + [name for (m, name) in systems if m == method]
+                llms = {"plain": plain, **{name: systems[(m, name)] for (m, name) in systems if m == method}}
+                times = {name: [] for name in names}
+                metrics = {}
+                for name in names:  # untimed: first real steps
+                    run_load(llms[name], prompts, batch, temperature, args.new_tokens)
+                for _ in range(args.reps):
+                    for name in names:
+                        elapsed, ids, before, after = run_load(llms[name], prompts, batch, temperature,
+                                                               args.new_tokens)
+                        times[name].append(elapsed)
+                        if name == "plain":
+                            plain_ids = ids
+                        elif temperature == 0.0 and ids != plain_ids:
+                            raise SystemExit(f"{method} {name} batch {batch}: greedy output differs from plain")
+                        metrics[name] = (before, after)
+                tokens = batch * args.new_tokens
+                row = {"method": method, "batch": batch, "temperature": temperature, "systems": {}}
+                for name in names:
+                    med = statistics.median(times[name])
+                    entry = {"median_s": med, "tok_s": tokens / med, "times": times[name]}
+                    if name != "plain":
+                        before, after = metrics[name]
+                        drafts = after["num_drafts"] - before["num_drafts"]
+                        entry["acceptance_rate"] = (
+                            (after["num_accepted_tokens"] - before["num_accepted_tokens"])
+                            / max(1, after["num_draft_tokens"] - before["num_draft_tokens"]))
+                        entry["spec_step_share"] = (after["num_spec_steps"] - before["num_spec_steps"]) / max(
+                            1, after["num_steps"] - before["num_steps"])
+                        entry["num_drafts"] = drafts
+                    row["systems"][name] = entry
+                plain_tok_s = row["systems"]["plain"]["tok_s"]
+                for name, entry in row["systems"].items():
+                    entry["speedup"] = entry["tok_s"] / plain_tok_s
+                static = {n: e["speedup"] for n, e in row["systems"].items() if n.startswith("K=")}
+                best = max(static, key=static.get)
+                row["best_static"] = best
+                row["adaptive_vs_best_static"] = row["systems"]["adaptive"]["speedup"] / static[best]
+                ad = systems[(method, "adaptive")].get_metrics()
+                row["adaptive_k_histogram_total"] = ad.get("k_histogram")
+                logger.info("%s batch %d T=%.1f: adaptive %.2fx, best static %s %.2fx", method, batch, temperature,
+                            row["systems"]["adaptive"]["speedup"], best, static[best])
+                results.append(row)
+    out = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "args": {k: str(v) if isinstance(v, Path)
+           else v for k, v in vars(args).items()}, "compile_s": compile_s, "results": results,
+           "command": " ".join(["python"] + sys.argv)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(tables(out))
+
+
+def tables(d: dict) -> str:
+    lines = ["| method | batch | T | plain tok/s | adaptive | best static K | adaptive / best static | "
+             "adaptive spec-step share |", "|---|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        s = r["systems"]
+        lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {s['plain']['tok_s']:.0f} | "
+                     f"{s['adaptive']['speedup']:.2f}x | {r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
+                     f"{r['adaptive_vs_best_static']:.2f} | {s['adaptive']['spec_step_share']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

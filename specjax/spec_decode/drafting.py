@@ -1,0 +1,44 @@
+"""Drawing model drafts: greedy, or from the draft's own distribution shaped as the target's is.
+
+Shared by every proposer that drafts from a model (draft models, draft heads).
+Random verification is exact only when each draft is drawn from the q it hands
+the verifier, and q must go through the same transforms as the target's
+distribution (temperature, top-k, top-p), in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sample.transforms import argmax_last, row_exponentials, sample_with_exponentials, transform_logits
+
+_DRAFT_KEY_TAG = 0x44524654  # "DRFT"
+
+
+def draft_keys(keys: jax.Array) -> Callable[[int], jax.Array]:
+    """``j -> [B]`` keys for draft j, from the rows' step keys ``[B]`` (the verifier's keys of the same step).
+
+    A tag of its own first: with partitionable threefry, split(key)[i] == fold_in(key, i), so folding in
+    small ints directly would reuse the verifier's noise (it splits the same row key) and bias the output.
+    """
+    base = jax.vmap(lambda key: jax.random.fold_in(key, _DRAFT_KEY_TAG))(keys)
+    return lambda j: jax.vmap(lambda key: jax.random.fold_in(key, j))(base)
+
+
+def draw_draft(
+    logits: jax.Array, temperature, top_k, top_p, keys: jax.Array, *, probabilistic: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """One draft token per row of ``logits [B, V]`` and, when probabilistic, its distribution q [B, V].
+
+    Greedy target rows always draft the argmax (greedy verification ignores q).
+    """
+    greedy = argmax_last(logits)  # [B]
+    if not probabilistic:
+        return greedy, None
+    shaped = transform_logits(logits, temperature, top_k, top_p)  # [B, V]
+    q = jax.nn.softmax(shaped, axis=-1)
+    sampled = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
+    return jnp.where(temperature > 0, sampled, greedy), q

@@ -1,0 +1,165 @@
+"""The adaptive speculation-length controller: decisions on fake costs and acceptance, then in the engine."""
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.buckets import count_compiles
+from specjax.spec_decode.controller import ControllerConfig, SpeculationController
+from tiny_models import make_tiny_checkpoint
+
+K = 4
+
+
+def _controller(costs: dict, *, can_detach=False, **cfg) -> SpeculationController:
+    c = SpeculationController(K, ControllerConfig(**cfg), can_detach=can_detach)
+    for key, seconds in costs.items():
+        c.costs.observe(key, seconds)
+    return c
+
+
+def _teach(c: SpeculationController, request_id: str, rate: float, n: int = 400, sampled: bool = False) -> None:
+    """Feed ``n`` verifications of K drafts with per-position acceptance ``rate`` (deterministic pattern)."""
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        accepted = 0
+        while accepted < K and rng.random() < rate:
+            accepted += 1
+        c.observe(request_id, sampled, K, accepted)
+
+
+FLAT = {(1, k, False): 1.0 + 0.1 * k for k in range(K + 1)} | {(1, 0, True): 1.0}
+
+
+def test_expected_accepted_is_the_sum_of_prefix_products():
+    alpha = np.asarray([0.5, 0.5, 1.0, 0.0])
+    np.testing.assert_allclose(SpeculationController.expected_accepted(alpha), [0, 0.5, 0.75, 1.0, 1.0])
+
+
+def test_chooses_the_maximum_when_every_draft_is_accepted():
+    c = _controller(FLAT)
+    _teach(c, "a", 1.0)
+    d = c.decide(1, ["a"], [False], np.asarray([K]), np.asarray([True]))
+    assert d.k == K and d.caps.tolist() == [K] and not d.detached
+
+
+def test_chooses_plain_when_verify_costs_more_than_drafts_gain():
+    # A drafting step costs 3x a plain one; acceptance 0.3 per position gains < 0.45 tokens: plain wins.
+    costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0, (1, 0, True): 1.0}
+    c = _controller(costs)
+    _teach(c, "a", 0.3)
+    d = c.decide(1, ["a"], [False], np.asarray([K]), np.asarray([True]))
+    assert d.k == 0 and d.caps.tolist() == [0]
+
+
+def test_caps_a_row_whose_drafts_always_fail_while_others_speculate():
+    c = _controller({(2, k, False): 1.0 + 0.05 * k for k in range(K + 1)})
+    _teach(c, "good", 0.9)
+    _teach(c, "bad", 0.0)
+    d = c.decide(2, ["good", "bad"], [False, False], np.asarray([K, K]), np.asarray([True, True]))
+    assert d.k >= 2 and d.caps[0] == d.k and d.caps[1] == 0
+
+
+def test_greedy_and_sampled_estimates_are_kept_apart():
+    c = _controller(FLAT)
+    _teach(c, "x", 1.0, sampled=False)
+    _teach(c, "y", 0.0, sampled=True)
+    assert c.conditional_acceptance("new", False)[0] > 0.9
+    assert c.conditional_acceptance("new", True)[0] < 0.1
+
+
+def test_detaches_only_after_plain_won_several_steps_in_a_row():
+    costs = {(1, k, False): 2.0 for k in range(K + 1)} | {(1, 0, True): 1.0}  # attached steps cost 2x
+    c = _controller(costs, can_detach=True, detach_after=3)
+    _teach(c, "a", 0.1)
+    plans = [c.decide(1, ["a"], [False], np.asarray([K]), np.asarray([True])) for _ in range(4)]
+    assert [p.detached for p in plans] == [False, False, True, True]
+    # A row whose proposer state is already stale loses nothing by detaching: at once.
+    c2 = _controller(costs, can_detach=True, detach_after=3)
+    assert c2.decide(1, ["a"], [False], np.asarray([0]), np.asarray([False])).detached
+
+
+def test_probe_after_idle_steps():
+    costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
+    c = _controller(costs, probe_every=5)
+    _teach(c, "a", 0.05)
+    ks = [c.decide(1, ["a"], [False], np.asarray([K]), np.asarray([True])).k for _ in range(6)]
+    assert ks[:5] == [0] * 5 and ks[5] == 1
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="cost_ema"):
+        ControllerConfig(cost_ema=0.0)
+    with pytest.raises(ValueError, match="detach_after"):
+        ControllerConfig(detach_after=-1)
+    with pytest.raises(ValueError, match="adaptive"):
+        specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive="yes")
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+        specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=True,
+                                  num_speculative_tokens_per_batch_size=[(1, 4, 2)])
+    assert specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=2).adaptive is True
+    assert specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=2,
+                                     num_speculative_tokens_per_batch_size=[(1, 4, 2)]).adaptive is False
+
+
+# --------------------------------------------------------------------------- in the engine
+
+
+KW = dict(max_model_len=64, max_num_seqs=4, block_size=8, max_prefill_chunk=16, query_buckets=(1, 16))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("target"), family="llama", num_kv_heads=2,
+                                vocab_size=32, eos_token_id=None, seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("draft"), family="llama", num_kv_heads=1,
+                                vocab_size=32, num_layers=1, hidden_size=32, eos_token_id=None, seed=7)
+
+
+def _prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(4, 32, size=n).tolist()} for n in lengths]
+
+
+def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(target_dir, draft_dir):
+    plain = specjax.LLM(target_dir, warmup=False, **KW)
+    llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3}, **KW)
+    warm = llm.num_compiles
+    # Make drafting look cheap for two row buckets and dear for the others, so the chosen K changes.
+    for (rows, k, detached) in list(llm.engine.controller.costs.seconds):
+        llm.engine.controller.costs.seconds[(rows, k, detached)] = 1.0 + (0.01 if rows <= 2 else 5.0) * k
+    llm.engine.controller.costs.ema = 1e-9  # keep the table fixed during the test
+    loads = []
+    for i, lengths in enumerate([[5], [9, 30], [3, 17, 41, 8], [12, 2, 6]]):
+        prompts = _prompts(10 + i, lengths)
+        params = [specjax.SamplingParams(temperature=0.0, max_tokens=10 + j) for j in range(len(lengths))]
+        loads.append((prompts, params, [o.outputs[0].token_ids for o in plain.generate(prompts, params)]))
+    with count_compiles() as counter:
+        for i, (prompts, params, expected) in enumerate(loads):
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+            llm.generate(prompts, specjax.SamplingParams(temperature=0.8, top_k=5, max_tokens=6, seed=i))
+    assert counter.count == 0 and llm.num_compiles == warm
+    hist = llm.get_metrics()["k_histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0  # plain and drafting steps both happened
+
+
+def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(target_dir, draft_dir):
+    plain = specjax.LLM(target_dir, warmup=False, **KW)
+    llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
+                      warmup=False, **KW)
+    c = llm.engine.controller
+    c.costs.ema = 1e-9
+    for rows in (1, 2, 4):  # drafting and attached plain steps are dear, detached ones cheap
+        for k in range(3):
+            c.costs.observe((rows, k, False), 10.0)
+        c.costs.observe((rows, 0, True), 1.0)
+    prompts = _prompts(3, [6, 11])
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    m = llm.get_metrics()
+    assert m["num_detached_steps"] > 0
