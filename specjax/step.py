@@ -23,7 +23,8 @@ import numpy as np
 
 from models.llama import LlamaConfig
 from specjax.kv_cache import KVCache
-from specjax.sample.transforms import argmax_last, request_keys, sample_tokens
+from specjax.sample.transforms import argmax_last, request_keys, row_exponentials, sample_with_exponentials, \
+    shape_logits
 from specjax.spec_decode.proposer import Proposer, Verified
 from specjax.spec_decode.verify import assemble_window, verify_forward, verify_tokens
 
@@ -109,18 +110,16 @@ def batch_keys(batch: StepBatch) -> jax.Array:
 
 
 def _sample_plain(logits: jax.Array, batch: StepBatch, keys: jax.Array) -> jax.Array:
-    """One token per row of ``logits [B, V]``: an argmax pass when no row samples, no sort when none filters."""
+    """One token per row of ``logits [B, V]``: an argmax pass alone when no row samples."""
+    greedy = argmax_last(logits)  # [B]
     random_rows = batch.temperature > 0
-    filtering = jnp.any(random_rows & ((batch.top_k > 0) | (batch.top_p < 1.0)))
 
     def sampled():
-        return jax.lax.cond(
-            filtering,
-            lambda: sample_tokens(logits, batch.temperature, batch.top_k, batch.top_p, keys),
-            lambda: sample_tokens(logits, batch.temperature, None, None, keys),
-        )
+        shaped = shape_logits(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, V]
+        drawn = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
+        return jnp.where(random_rows, drawn, greedy)
 
-    return jax.lax.cond(jnp.any(random_rows), sampled, lambda: argmax_last(logits))
+    return jax.lax.cond(jnp.any(random_rows), sampled, lambda: greedy)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # identity hash: holds the proposer and arrays

@@ -26,6 +26,18 @@ from pallas_kernels.sampling_ops import (  # noqa: F401  (re-exported)
 )
 
 
+def shape_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """:func:`transform_logits` whose top-k/top-p sort runs only when a sampling row asks for it.
+
+    The decision is made at run time (``lax.cond`` over the sort alone), so one compiled sampler serves
+    batches with and without filters. Greedy rows keep their raw logits (top-k/top-p never remove
+    the maximum, so their argmax is unchanged either way). Returns float32 ``[B, ..., V]``.
+    """
+    filtering = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
+    scaled = apply_temperature(logits, temperature)
+    return jax.lax.cond(filtering, lambda: apply_top_k_top_p(scaled, top_k, top_p), lambda: scaled)
+
+
 def row_exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Exp(1) noise of ``[B, *shape]`` with row b drawn from ``keys[b]`` alone.
 

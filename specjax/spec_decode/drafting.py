@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from specjax.sample.transforms import argmax_last, row_exponentials, sample_with_exponentials, transform_logits
+from specjax.sample.transforms import argmax_last, row_exponentials, sample_with_exponentials, shape_logits
 
 _DRAFT_KEY_TAG = 0x44524654  # "DRFT"
 
@@ -38,7 +38,7 @@ def draw_draft(
     greedy = argmax_last(logits)  # [B]
     if not probabilistic:
         return greedy, None
-    shaped = transform_logits(logits, temperature, top_k, top_p)  # [B, V]
+    shaped = shape_logits(logits, temperature, top_k, top_p)  # [B, V]
     q = jax.nn.softmax(shaped, axis=-1)
     sampled = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
     return jnp.where(temperature > 0, sampled, greedy), q

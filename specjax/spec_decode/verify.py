@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from models.llama import LlamaConfig, forward_features
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
 from specjax.sample.rejection import rejection_sample_jit
+from specjax.sample.transforms import shape_logits
 
 
 def assemble_window(tokens, positions, slot_mapping, block_tables, last_index, draft_ids, num_drafts, block_size):
@@ -84,15 +85,13 @@ def verify_tokens(
 ) -> tuple[jax.Array, jax.Array]:
     """Committed tokens ``[B, K+1]`` and accepted counts ``[B]``.
 
-    The rejection sampler takes its greedy-only path (one argmax pass) when no row samples, and skips
-    the top-k/top-p sort when no row uses them.
+    The logits are shaped once (temperature, then top-k/top-p only when a sampling row uses them) and the
+    rejection sampler sees them with temperature 1 for sampling rows, so it is compiled once whatever the
+    batch asks for; it takes its greedy-only path (one argmax pass) when no row samples.
     """
-    filtering = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
-
-    def run(tk, tp):
-        return rejection_sample_jit(
-            draft_ids, num_drafts, target_logits, draft_probs, temperature, tk, tp, keys, conditional_rates,
-            method=method, use_kernel=use_kernel,
-        )
-
-    return jax.lax.cond(filtering, lambda: run(top_k, top_p), lambda: run(None, None))
+    random_rows = temperature > 0
+    shaped = shape_logits(target_logits, temperature, top_k, top_p)  # [B, K+1, V]; greedy rows: raw
+    return rejection_sample_jit(
+        draft_ids, num_drafts, shaped, draft_probs, random_rows.astype(jnp.float32), None, None, keys,
+        conditional_rates, method=method, use_kernel=use_kernel,
+    )
