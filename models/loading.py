@@ -37,7 +37,7 @@ def _check_dir(path: PathLike) -> Path:
     if not p.is_dir():
         if p.suffix.lower() == ".gguf" and not p.exists():
             raise ValueError(f"model path {str(p)!r}: GGUF file does not exist")
-        raise ValueError(f"model path {str(p)!r} is neither a directory nor a GGUF file")
+        raise ValueError(f"model path {str(p)!r} is not a directory (nor a GGUF file)")
     return p
 
 

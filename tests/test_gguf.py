@@ -301,14 +301,17 @@ def test_refusals(tiny_dirs, tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(ValueError, match="phi2"):
         load_model(tmp_path / "phi.gguf")
     # Paths that are not models.
     with pytest.raises(ValueError, match="does not exist"):
         load_model(tmp_path / "missing.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
-    with pytest.raises(ValueError, match="neither a directory nor a GGUF"):
+    with pytest.raises(ValueError, match=r"not a directory \(nor a GGUF file\)"):
         load_model(tmp_path / "junk.gguf")
     with pytest.raises(ValueError, match="dtype"):
         load_model(g, "float16")
