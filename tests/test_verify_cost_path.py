@@ -1,0 +1,192 @@
+"""The CPU verify path of issue 14: ``models.llama.to_cpu_layout`` + ``matmul_t``.
+
+* The derived layout gives transformers' logits and greedy tokens (prefill, a
+  5-token verify chunk, 2-row decode steps: the dot path and the row-streaming
+  path both run).
+* The executable the engine compiles for a (K+1)-token verify step on CPU
+  (``CompiledBuckets`` with ``compiler_options()``) streams every projection
+  weight through a YNNPACK row-reduction fusion and contains no dot; the 1-token
+  step keeps the GEMV dots; another platform's lowering keeps plain dots.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from test_models import (  # noqa: E402
+    CASES,
+    WIDTH,
+    PagedRows,
+    _forward,
+    assert_logits_close,
+    greedy_reference_loop,
+    hf_logits,
+    new_cache,
+)
+from tiny_models import load_hf_torch_model, make_tiny_checkpoint  # noqa: E402
+
+import models.llama as llama  # noqa: E402
+from models.llama import LlamaConfig, forward, init_params, is_cpu_layout, lm_head_logits, to_cpu_layout  # noqa: E402
+from models.loading import load_hf_model, read_generation_eos  # noqa: E402
+from specjax.buckets import CompiledBuckets  # noqa: E402
+from specjax.kv_cache import AttentionMetadata, KVCache  # noqa: E402
+
+# q/k/v + o biases (llama), qk-norm with head_dim * heads != hidden (qwen3), tied head with MQA + qkv bias (qwen2).
+LAYOUT_CASES = ("llama_linear_rope_bias", "qwen3", "tied")
+
+
+@pytest.fixture(scope="module", params=LAYOUT_CASES)
+def case(request, tmp_path_factory):
+    name = request.param
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"cpu_{name}"), seed=len(name), **CASES[name])
+    config, params = load_hf_model(path)
+    rng = np.random.default_rng(321)
+    prompts = [rng.integers(2, config.vocab_size - 1, size=n).tolist() for n in (14, 9)]
+    return name, path, config, params, to_cpu_layout(params, config), load_hf_torch_model(path), prompts
+
+
+def test_cpu_layout_logits_match_transformers(case):
+    """Prefill (32 rows: dot), a 5-token verify chunk of one row (row-streaming), then 2-row decode steps."""
+    _, _, c, params, cpu_params, hf, prompts = case
+    assert is_cpu_layout(cpu_params) and not is_cpu_layout(params)
+    refs = [hf_logits(hf, p) for p in prompts]
+    rows = PagedRows(np.random.default_rng(5), [len(p) for p in prompts])
+    cache = new_cache(c)
+    done = [6, 4]
+    tokens, positions, meta = rows.batch([p[:d] for p, d in zip(prompts, done)], [0, 0], WIDTH)
+    logits, hidden, cache = _forward(cpu_params, tokens, positions, cache, meta, config=c)
+    for b, d in enumerate(done):
+        assert_logits_close(logits[b, :d], refs[b][:d])
+    np.testing.assert_allclose(lm_head_logits(cpu_params, hidden, config=c), logits, rtol=1e-5, atol=1e-4)
+
+    # Row 0 verifies 5 tokens, row 1 is padding; only row 0 sits in the batch (B*T = 5).
+    tokens, positions, _ = rows.batch([prompts[0][6:11]], [6], 5)
+    meta = AttentionMetadata(slot_mapping=jnp.asarray([[rows.slot(0, 6 + j) for j in range(5)]], jnp.int32),
+                             block_tables=jnp.asarray(rows.tables[:1]))
+    logits, _, cache = _forward(cpu_params, tokens, positions, cache, meta, config=c)
+    assert_logits_close(logits[0], refs[0][6:11])
+    done[0] = 11
+
+    while done != [len(p) for p in prompts]:  # decode both rows (B*T = 2); a finished row becomes padding
+        chunk = [p[d : d + 1] for p, d in zip(prompts, done)]
+        tokens, positions, meta = rows.batch(chunk, done, 1)
+        logits, _, cache = _forward(cpu_params, tokens, positions, cache, meta, config=c)
+        for b, toks in enumerate(chunk):
+            if toks:
+                assert_logits_close(logits[b, 0], refs[b][done[b]])
+                done[b] += 1
+
+
+def test_cpu_layout_greedy_matches_transformers_generate(case):
+    _, path, c, _, cpu_params, hf, prompts = case
+    eos_ids = read_generation_eos(path, c)
+    ours = greedy_reference_loop(c, cpu_params, prompts, 12, eos_ids, np.random.default_rng(8))
+    for prompt, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        assert out == ref[0, len(prompt) :].tolist()
+
+
+def test_to_cpu_layout_shapes_dtypes_and_refusal():
+    c = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=12, attention_bias=True, attention_out_bias=True, qk_norm=True,
+                    architecture="Qwen3ForCausalLM")
+    params = init_params(c, jax.random.key(0), dtype=jnp.bfloat16)
+    cpu = to_cpu_layout(params, c)
+    layer, src = cpu["layers_1"], params["layers_1"]
+    h, g, e = 4, 2, 12
+    assert layer["self_attn"]["qkv_proj"]["kernel_t"].shape == ((h + 2 * g) * e, 32)
+    assert layer["self_attn"]["qkv_proj"]["bias"].shape == ((h + 2 * g) * e,)
+    assert layer["self_attn"]["o_proj"]["kernel_t"].shape == (32, h * e)
+    assert layer["mlp"]["gate_up_proj"]["kernel_t"].shape == (96, 32)
+    assert layer["mlp"]["down_proj"]["kernel_t"].shape == (32, 48)
+    assert cpu["lm_head"]["kernel_t"].shape == (96, 32)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(cpu)} == {jnp.dtype(jnp.bfloat16)}
+    # Values: rows are the transposed checkpoint columns, in q, k, v / gate, up order.
+    qkv = np.asarray(layer["self_attn"]["qkv_proj"]["kernel_t"], np.float32)
+    np.testing.assert_array_equal(qkv[h * e : (h + g) * e], np.asarray(src["self_attn"]["k_proj"]["kernel"],
+                                                                      np.float32).reshape(32, -1).T)
+    gate_up = np.asarray(layer["mlp"]["gate_up_proj"]["kernel_t"], np.float32)
+    np.testing.assert_array_equal(gate_up[48:], np.asarray(src["mlp"]["up_proj"]["kernel"], np.float32).T)
+    np.testing.assert_array_equal(np.asarray(layer["self_attn"]["q_norm"]["scale"]),
+                                  np.asarray(src["self_attn"]["q_norm"]["scale"]))
+    assert layer["self_attn"]["o_proj"]["bias"] is src["self_attn"]["o_proj"]["bias"]
+    with pytest.raises(ValueError, match="already in the CPU layout"):
+        to_cpu_layout(cpu, c)
+
+
+# --------------------------------------------------------------------------- which kernels run
+
+
+def _step_fn(config: LlamaConfig, t: int):
+    def step(params, kv_cache, tokens, positions, slots, tables):
+        md = AttentionMetadata(slot_mapping=slots, block_tables=tables)
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)  # logits at every position
+        logits, _, kv_cache = forward(params, tokens, positions, kv_cache, md, config=config, logits_indices=idx)
+        return logits, kv_cache
+
+    return step
+
+
+def _engine_compiled_text(config: LlamaConfig, params, t: int) -> str:
+    """HLO text of the step the engine would compile for one row of ``t`` query tokens."""
+    cache = KVCache.allocate(num_layers=config.num_hidden_layers, num_blocks=4, block_size=8,
+                             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=jnp.float32)
+    positions = jnp.arange(3, 3 + t, dtype=jnp.int32)[None]  # [1, T]
+    args = (params, cache, jnp.zeros((1, t), jnp.int32), positions, positions, jnp.arange(4, dtype=jnp.int32)[None])
+    buckets = CompiledBuckets("verify_cost_test", jax.jit(_step_fn(config, t), donate_argnums=(1,)), lambda _: args)
+    return buckets.get(t).as_text()
+
+
+def _entry(text: str) -> str:
+    return text.split("\nENTRY ")[1]
+
+
+def _weight_ynn_fusions(entry: str) -> list[str]:
+    """YNNPACK custom fusions (in the entry computation) with a derived-layout weight or the embedding as operand."""
+    return [line for line in entry.splitlines() if "__ynn_fusion" in line and "kind=kCustom" in line
+            and re.search(r"kernel_t|embedding", line.split("fusion(", 1)[1].split(")", 1)[0])]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the XLA:CPU lowering")
+@pytest.mark.parametrize("tied", [True, False])
+def test_engine_verify_executable_streams_every_weight_on_cpu(tied):
+    c = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
+    params = init_params(c, jax.random.key(1))
+    cpu = to_cpu_layout(params, c)
+    weights = 4 * c.num_hidden_layers + 1  # qkv, o, gate_up, down per layer + the LM head
+
+    verify = _entry(_engine_compiled_text(c, cpu, 5))  # K = 4: 5 query tokens
+    assert len(_weight_ynn_fusions(verify)) == weights, verify
+    assert " dot(" not in verify
+
+    decode = _entry(_engine_compiled_text(c, cpu, 1))  # the 1-token step keeps one GEMV per weight
+    assert len(re.findall(r" dot\(", decode)) == weights
+    assert not _weight_ynn_fusions(decode)
+
+    # Checkpoint layout: the projections keep the GEMM path; only a tied head (already [V, D]) is streamed.
+    before = _entry(_engine_compiled_text(c, params, 5))
+    assert len(_weight_ynn_fusions(before)) == (1 if tied else 0)
+
+
+def test_other_platforms_lower_matmul_t_to_one_dot():
+    x = jnp.ones((5, 64), jnp.float32)
+    w_t = jnp.ones((96, 64), jnp.float32)
+    traced = jax.jit(llama.matmul_t).trace(x, w_t)
+    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "dot_general" in cuda and "reduce" not in cuda
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "reduce" in cpu and "dot_general" not in cpu
+    np.testing.assert_allclose(llama.matmul_t(x, w_t), np.full((5, 96), 64.0), rtol=1e-6)
