@@ -60,8 +60,9 @@ def make_batch(rng, *, t, g, r, e, block_size, lengths, num_blocks=None, dtype=j
     return q, k_cache, v_cache, jnp.asarray(positions), jnp.asarray(tables)
 
 
-# (head_dim, kv heads G, GQA ratio R, block size)
-SHAPES = [(64, 2, 4, 16), (128, 1, 8, 32), (128, 2, 8, 16), (64, 1, 4, 32)]
+# (head_dim, kv heads G, GQA ratio R, block size): the first two cover head_dim 64/128, GQA 4:1 and 8:1,
+# blocks 16/32; the third crosses them for the GPU kernel's head blocking.
+SHAPES = [(64, 2, 4, 16), (128, 1, 8, 32), (128, 2, 8, 16)]
 
 
 @pytest.mark.parametrize("e,g,r,block_size", SHAPES, ids=[f"E{s[0]}-G{s[1]}-R{s[2]}-bs{s[3]}" for s in SHAPES])
@@ -102,7 +103,7 @@ def _ragged_with_reference(q, kc, vc, pos, tables, **kw):
 
 
 @pytest.mark.parametrize("t", [1, 5])
-@pytest.mark.parametrize("e,g,r,block_size", SHAPES, ids=[f"E{s[0]}-G{s[1]}-R{s[2]}-bs{s[3]}" for s in SHAPES])
+@pytest.mark.parametrize("e,g,r,block_size", SHAPES[:2], ids=[f"E{s[0]}-G{s[1]}-R{s[2]}-bs{s[3]}" for s in SHAPES[:2]])
 def test_tpu_ragged_adapter_matches_xla(t, e, g, r, block_size):
     rng = np.random.default_rng(10 * t + e + g + r + block_size)
     q, kc, vc, pos, tables = make_batch(rng, t=t, g=g, r=r, e=e, block_size=block_size, lengths=[37, t, 150])

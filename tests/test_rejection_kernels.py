@@ -261,7 +261,7 @@ SMALL = [
 def test_kernel_small_vocab_matches_numpy(platform, b, k, v, method, with_q, with_filters):
     rates = _rates(method, k) if k else None
     ambiguous = 0
-    for seed in range(3):
+    for seed in range(2):
         args = make_inputs(b, k, v, jnp.float32, with_q and k > 0, with_filters, seed,
                            temps=(1.0, 0.0, 0.6, 1.7)) + (rates,)
         out, num = rejection_sample_kernel(*args, method=method, interpret=True, blocks=SMALL_BLOCKS[platform])
