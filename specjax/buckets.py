@@ -39,12 +39,34 @@ class CompiledBuckets:
         if exe is None:
             start = time.perf_counter()
             exe = self._jitted.lower(*self.example_args(bucket)).compile(compiler_options())
-            elapsed = time.perf_counter() - start
-            self.num_compiles += 1
-            self.compile_seconds += elapsed
-            self._compiled[bucket] = exe
-            logger.info("compiled %s for bucket %s in %.2fs", self.name, bucket, elapsed)
+            self._store(bucket, exe, time.perf_counter() - start)
         return exe
+
+    def _store(self, bucket: Hashable, exe, seconds: float) -> None:
+        self.num_compiles += 1
+        self.compile_seconds += seconds
+        self._compiled[bucket] = exe
+        logger.info("compiled %s for bucket %s in %.2fs", self.name, bucket, seconds)
+
+    def compile_all(self, buckets: list[Hashable], *, workers: int, on_done: Callable[[], None] | None = None) -> None:
+        """Compile every bucket not compiled yet, ``workers`` XLA compilations at a time.
+
+        Lowering (tracing) runs here, one bucket after another; XLA's compile releases the GIL, so on a
+        machine with several cores the compilations overlap. ``on_done`` is called after each bucket.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [b for b in dict.fromkeys(buckets) if b not in self._compiled]
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            futures = []
+            for bucket in todo:
+                lowered = self._jitted.lower(*self.example_args(bucket))
+                start = time.perf_counter()
+                futures.append((bucket, start, pool.submit(lowered.compile, compiler_options())))
+            for bucket, start, future in futures:
+                self._store(bucket, future.result(), time.perf_counter() - start)
+                if on_done is not None:
+                    on_done()
 
 
 CACHE_ENV = "SPECJAX_COMPILATION_CACHE"

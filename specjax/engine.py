@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import jax
@@ -147,18 +148,24 @@ class StepRunner:
     def warmup(self, buckets: list[tuple[Bucket, bool]], *, progress: bool = True) -> None:
         """Compile each ``(bucket, detached)`` now and run it once on an all-padding step (it writes nothing).
 
-        A first execution costs extra (allocation, thread start-up), and the first real steps should
-        not pay it. ``progress`` shows a progress bar on stderr while compiling.
+        Compilations run in parallel on the machine's cores; a first execution costs extra (allocation,
+        thread start-up), and the first real steps should not pay it. ``progress`` shows a progress bar
+        on stderr while compiling.
         """
         bar = None
         if progress and len(buckets) > 1:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(buckets), desc="specjax: compiling steps", unit="exe", leave=False)
+        tick = bar.update if bar is not None else None
+        workers = os.cpu_count() or 1
         try:
+            if not self.profile:
+                for detached, exes in ((False, self.executables), (True, self.detached)):
+                    exes.compile_all([b for b, d in buckets if d == detached], workers=workers, on_done=tick)
             for bucket, detached in buckets:
                 self.run(self.host_batch(bucket), detached)
-                if bar is not None:
+                if bar is not None and self.profile:
                     bar.update(1)
         finally:
             if bar is not None:
@@ -323,7 +330,7 @@ class Engine:
         if detached:
             table.synced[slots] = False  # the proposer does not see this step's tokens
         packed = self.runner.run(batch, detached)[:n]  # the step's one host fetch
-        finished = self._commit(rows, packed, num_drafts, k, detached)
+        finished = self._commit(rows, packed, num_drafts, k)
         elapsed = time.perf_counter() - start_time
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             self.controller.costs.observe((bucket[0], k, detached), elapsed)
@@ -331,7 +338,7 @@ class Engine:
         self.stats.step_seconds += elapsed
         return finished
 
-    def _commit(self, rows, packed: np.ndarray, num_drafts: np.ndarray, k: int, detached: bool) -> list[Request]:
+    def _commit(self, rows, packed: np.ndarray, num_drafts: np.ndarray, k: int) -> list[Request]:
         finished = []
         now = time.perf_counter()
         table = self.scheduler.slots
@@ -342,8 +349,9 @@ class Engine:
             accepted = int(packed[i, k + 1])
             computed = row.start + row.num_new
             if self.proposer.drafts_ahead:
-                # The head drafted from this step's features (unless the step ran without it).
-                table.has_drafts[request.slot] = row.samples and not detached
+                # The head drafted from this step's features, over a complete history of its own (a row that
+                # missed a detached step has a stale head cache and never drafts again).
+                table.has_drafts[request.slot] = row.samples and table.synced[request.slot]
             if not row.samples:
                 request.num_computed_tokens = computed
                 continue

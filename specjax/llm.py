@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from models.llama import LlamaConfig
-from models.loading import load_hf_model, load_tokenizer, read_generation_eos
+from models.loading import load_model, load_tokenizer, read_generation_eos
 from specjax.buckets import enable_persistent_cache
 from specjax.builtin import DEFAULT_SPEC, DEFAULT_TARGET, resolve_model
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
@@ -119,7 +119,7 @@ class LLM:
         # Before loading weights: a bad parallel layout fails fast, naming the field.
         self.mesh = make_mesh(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
         self.model_path = os.fspath(model)
-        self.model_config, params = load_hf_model(self.model_path, dtype=dtype)
+        self.model_config, params = load_model(self.model_path, dtype=dtype)
         max_pos = self.model_config.max_position_embeddings
         if max_pos and max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")

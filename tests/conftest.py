@@ -8,4 +8,6 @@ loaded by the next instead of compiled again (the user's own cache is not touche
 import os
 import tempfile
 
+# torch's OpenMP threads spin-wait by default, which starves XLA:CPU's threads in the same process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("SPECJAX_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "specjax-test-xla-cache"))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.llama import LlamaConfig, forward
-from models.loading import load_hf_model
+from models.loading import load_model
 from specjax.builtin import resolve_model
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
 from specjax.parallel.sharding import ShardingPlan
@@ -159,7 +159,7 @@ def build(ctx: BuildContext) -> DraftModelProposer:
     spec = ctx.spec
     draft_tp = spec.draft_tensor_parallel_size  # checked against the target's by LLM
     path = resolve_model(spec.model)
-    config, params = load_hf_model(path, dtype=ctx.dtype)
+    config, params = load_model(path, dtype=ctx.dtype)
     vocab_map = None
     if spec.use_heterogeneous_vocab:
         from specjax.spec_decode.vocab_map import load_vocab_map
