@@ -11,8 +11,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "specjax.llm",
-    "RequestOutput": "specjax.llm",
-    "CompletionOutput": "specjax.llm",
+    "RequestOutput": "specjax.outputs",
+    "CompletionOutput": "specjax.outputs",
+    "Logprob": "specjax.outputs",
     "SamplingParams": "specjax.config",
     "EngineConfig": "specjax.config",
     "SpeculativeConfig": "specjax.config",

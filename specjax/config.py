@@ -1,69 +1,17 @@
-"""User-facing configuration: sampling parameters and engine sizing.
+"""User-facing configuration: engine sizing and the speculative config (sampling: ``sampling_params.py``).
 
-Both are frozen, keyword-only dataclasses whose invariants are checked at
+All are frozen, keyword-only dataclasses whose invariants are checked at
 construction, so a bad value fails where it is written, naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
-_MAX_SEED = 2**32 - 1
+from specjax.sampling_params import SamplingParams, _check_int  # noqa: F401  (SamplingParams re-exported)
 
 
-def _check_int(name: str, value, *, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """How to sample one request (vLLM's names and defaults).
-
-    temperature 0 is greedy; ``top_k`` 0 or -1 and ``top_p`` 1.0 switch those filters off.
-    A request with a ``seed`` draws the same tokens whatever else shares its batch.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_tokens: int = 16
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ValueError(f"temperature must be a float, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite float >= 0, got {self.temperature}")
-        _check_int("top_k", self.top_k, minimum=-1)
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise ValueError(f"top_p must be a float in (0, 1], got {self.top_p!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
-            if self.seed > _MAX_SEED:
-                raise ValueError(f"seed must be <= {_MAX_SEED}, got {self.seed}")
-        if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
-                raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-            for tok in self.stop_token_ids:
-                _check_int("stop_token_ids", tok, minimum=0)
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-
-    @property
-    def top_k_or_off(self) -> int:
-        """top_k with -1 folded into 0 (off), the form the device sampler takes."""
-        return max(self.top_k, 0)
 
 
 def _powers_of_two_upto(limit: int, start: int = 1) -> tuple[int, ...]:

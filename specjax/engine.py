@@ -28,8 +28,10 @@ from specjax.sample.rejection import conditional_acceptance_rates, default_use_k
 from specjax.scheduler import Request, Scheduler
 from specjax.spec_decode.controller import ControllerConfig, SpeculationController
 from specjax.spec_decode.proposer import Proposer
-from specjax.step import DecodeState, StepBatch, StepSpec, decode_step, propose_phase, sample_phase, update_phase, \
-    verify_phase
+from specjax.sample.processors import SamplingState
+from specjax.sampling_params import MAX_LOGPROBS
+from specjax.step import DecodeState, StepBatch, StepSpec, decode_step, propose_phase, sample_phase, unpack, \
+    update_phase, verify_phase
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,8 @@ class StepRunner:
         self.params = (jax.device_put(params, target_shardings), proposer.params)
         cfg = engine_config
         kv = plan.kv(model_config)
-        self.state_shardings = DecodeState(target_kv=kv, proposer=proposer.state_shardings(plan))
+        self.state_shardings = DecodeState(target_kv=kv, proposer=proposer.state_shardings(plan),
+                                           sampling=plan.replicated)
         self.state = DecodeState(
             target_kv=KVCache.allocate(
                 num_layers=model_config.num_hidden_layers, num_blocks=cfg.total_kv_blocks,
@@ -64,6 +67,7 @@ class StepRunner:
             ),
             proposer=proposer.init_state(num_slots=cfg.max_num_seqs, num_kv_blocks=cfg.total_kv_blocks,
                                          block_size=cfg.block_size, kv_dtype=kv_dtype, plan=plan),
+            sampling=SamplingState.zeros(cfg.max_num_seqs, model_config.vocab_size, device=plan.replicated),
         )
         method = spec.rejection_sample_method if spec is not None else "standard"
         rates = (conditional_acceptance_rates(spec.synthetic_acceptance_rates)
@@ -135,9 +139,9 @@ class StepRunner:
         t1 = timer()
         logits, features, state = jax.block_until_ready(phase["verify"](params, state, batch, drafts))
         t2 = timer()
-        out, accepted = jax.block_until_ready(phase["sample"](batch, drafts, q, logits))
+        out, accepted = jax.block_until_ready(phase["sample"](state, batch, drafts, q, logits))
         t3 = timer()
-        packed, self.state = phase["update"](params, state, batch, drafts, features, out, accepted)
+        packed, self.state = phase["update"](params, state, batch, drafts, features, logits, out, accepted)
         packed = np.asarray(packed)
         t4 = timer()
         self.phase_seconds["draft"] += (t1 - t0) + (t4 - t3)
@@ -344,9 +348,10 @@ class Engine:
         table = self.scheduler.slots
         if k and self.spec_stats is not None:
             self.spec_stats.num_spec_steps += 1
+        tokens, accepted_counts, logprobs = unpack(packed, k)
         for i, row in enumerate(rows):
             request = row.request
-            accepted = int(packed[i, k + 1])
+            accepted = int(accepted_counts[i])
             computed = row.start + row.num_new
             if self.proposer.drafts_ahead:
                 # The head drafted from this step's features, over a complete history of its own (a row that
@@ -357,7 +362,12 @@ class Engine:
                 continue
             self.stats.num_row_steps += 1
             first = not request.output_token_ids
-            kept = self.scheduler.commit(row, packed[i, : accepted + 1].tolist(), num_computed=computed + accepted)
+            kept = self.scheduler.commit(row, tokens[i, : accepted + 1].tolist(), num_computed=computed + accepted)
+            if request.output_logprobs is not None:
+                n = request.params.logprobs
+                for lp in logprobs[i, : len(kept)]:  # (logprob, rank, top ids, top logprobs) per kept token
+                    request.output_logprobs.append((float(lp[0]), int(lp[1]), lp[2:2 + n].astype(np.int64),
+                                                    lp[2 + MAX_LOGPROBS:2 + MAX_LOGPROBS + n].copy()))
             drafted = int(num_drafts[i])
             if drafted:
                 self.spec_stats.observe(drafted, accepted)

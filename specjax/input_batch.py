@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specjax.step import StepBatch
+from specjax.step import MAX_BIAS, MAX_STOP_IDS, StepBatch
 
 
 class SlotTable:
@@ -34,6 +34,18 @@ class SlotTable:
         self.top_p = np.ones((num_slots,), np.float32)
         self.seed_streams = np.zeros((num_slots,), np.uint32)
         self.seeds = np.zeros((num_slots,), np.uint32)
+        self.min_p = np.zeros((num_slots,), np.float32)
+        self.presence_penalty = np.zeros((num_slots,), np.float32)
+        self.frequency_penalty = np.zeros((num_slots,), np.float32)
+        self.repetition_penalty = np.ones((num_slots,), np.float32)
+        self.bias_ids = np.full((num_slots, MAX_BIAS), -1, np.int32)
+        self.bias_values = np.zeros((num_slots, MAX_BIAS), np.float32)
+        self.min_tokens = np.zeros((num_slots,), np.int32)
+        self.stop_ids = np.full((num_slots, MAX_STOP_IDS), -1, np.int32)
+        self.prompt_len = np.zeros((num_slots,), np.int32)
+        self.num_logprobs = np.full((num_slots,), -1, np.int32)
+        self.fresh = np.zeros((num_slots,), bool)
+        """The slot was (re)assigned and no step has run it yet: its device statistics must start over."""
         self.has_drafts = np.zeros((num_slots,), bool)
         """Device-side drafts of the slot (``Proposer.drafts_ahead``) are current for its next step."""
         self.synced = np.zeros((num_slots,), bool)
@@ -59,6 +71,23 @@ class SlotTable:
         self.top_p[s] = p.top_p
         self.seed_streams[s] = request.seed_stream
         self.seeds[s] = request.seed
+        self.min_p[s] = p.min_p
+        self.presence_penalty[s] = p.presence_penalty
+        self.frequency_penalty[s] = p.frequency_penalty
+        self.repetition_penalty[s] = p.repetition_penalty
+        bias = request.logit_bias  # (ids, values): logit_bias and banned bad words, merged by the LLM
+        self.bias_ids[s] = -1
+        self.bias_values[s] = 0.0
+        self.bias_ids[s, : len(bias[0])] = bias[0]
+        self.bias_values[s, : len(bias[1])] = bias[1]
+        self.min_tokens[s] = p.min_tokens
+        self.stop_ids[s] = -1
+        if p.min_tokens:
+            stops = sorted(request.stop_ids)
+            self.stop_ids[s, : len(stops)] = stops
+        self.prompt_len[s] = len(request.prompt_token_ids)
+        self.num_logprobs[s] = -1 if p.logprobs is None else p.logprobs
+        self.fresh[s] = True
         self.has_drafts[s] = False
         self.synced[s] = True  # its prefill runs with the proposer attached
         return s
@@ -116,3 +145,8 @@ class SlotTable:
         batch.seed_streams[:r] = self.seed_streams[slots]
         batch.seeds[:r] = self.seeds[slots]
         batch.sample_indices[:r] = num_outputs
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_ids",
+                     "bias_values", "min_tokens", "stop_ids", "prompt_len", "num_logprobs"):
+            getattr(batch, name)[:r] = getattr(self, name)[slots]
+        batch.reset[:r] = self.fresh[slots]
+        self.fresh[slots] = False

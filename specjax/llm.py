@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -18,39 +17,18 @@ from specjax.buckets import enable_persistent_cache
 from specjax.builtin import DEFAULT_SPEC, DEFAULT_TARGET, resolve_model
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specjax.engine import Engine, StepRunner
+from specjax.outputs import RequestOutput, StopStrings, banned_token_ids, completion, prompt_logprobs
+from specjax.outputs import CompletionOutput  # noqa: F401  (re-exported)
 from specjax.parallel.sharding import ShardingPlan, make_mesh
 from specjax.prompts import as_prompt_list, parse_prompt
 from specjax.scheduler import Request
 from specjax.spec_decode.proposer import BuildContext, Proposer
 from specjax.spec_decode.proposer import build as build_proposer
+from specjax.step import MAX_BIAS, MAX_STOP_IDS
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-    """One completion of a request (vLLM's shape)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """The result of one prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Per-request counters: num_draft_tokens, num_accepted_tokens, acceptance_rate (None without drafts),
-    num_spec_steps, num_preemptions, time_to_first_token_s, latency_s."""
 
 
 def _request_metrics(r: Request) -> dict[str, Any]:
@@ -191,20 +169,39 @@ class LLM:
         return parse_prompt(prompt, field, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
                             max_model_len=self.engine_config.max_model_len, name_keys=name_keys)
 
-    def _make_request(self, ids: list[int], params: SamplingParams) -> Request:
+    def _make_request(self, ids: list[int], params: SamplingParams, index: int = 0) -> Request:
+        """One request; ``index`` is the completion's number among ``params.n``."""
         n = next(self._request_counter)
         if params.seed is not None:
-            seed, stream = params.seed, 0
+            seed, stream = params.seed, 2 * index  # completion 0 of a seeded request: what n = 1 gives
         else:
-            # Derived seeds differ per request and per LLM seed; stream 1 keeps them apart from user seeds.
+            # Derived seeds differ per request and per LLM seed; odd streams keep them apart from user seeds.
             seed = (self.engine_config.seed * 0x9E3779B1 + n) % 2**32
-            stream = 1
+            stream = 2 * index + 1
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
+        if params.min_tokens and len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"min_tokens: the request has {len(stop_ids)} stop ids (EOS + stop_token_ids); "
+                             f"min_tokens can hold back at most {MAX_STOP_IDS}")
+        bias = dict(params.logit_bias or ())
+        if params.bad_words:
+            bias.update({t: float("-inf") for t in banned_token_ids(self.tokenizer, params.bad_words,
+                                                                   self.model_config.vocab_size)})
+        bad = [t for t in bias if t >= self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias has ids outside [0, {self.model_config.vocab_size}): {bad[:5]}")
+        if len(bias) > MAX_BIAS:
+            raise ValueError(f"logit_bias and bad_words ban or bias {len(bias)} tokens; at most {MAX_BIAS}")
+        stop_checker = None
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need the model's tokenizer")
+            stop_checker = StopStrings(self.tokenizer, params.stop, params.skip_special_tokens)
         return Request(
             request_id=str(n), prompt_token_ids=ids, params=params, seed=seed, seed_stream=stream,
-            stop_ids=frozenset(stop_ids),
+            stop_ids=frozenset(stop_ids), logit_bias=(tuple(bias), tuple(bias.values())), stop_checker=stop_checker,
+            output_logprobs=[] if params.logprobs is not None else None,
         )
 
     def generate(
@@ -234,7 +231,9 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
         parsed = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompt_list)]
-        requests = [self._make_request(ids, params) for (_, ids), params in zip(parsed, params_list)]
+        groups = [[self._make_request(ids, params, j) for j in range(params.n)]
+                  for (_, ids), params in zip(parsed, params_list)]
+        requests = [r for group in groups for r in group]
         for request in requests:
             self.engine.add_request(request)
         start = time.perf_counter()
@@ -257,16 +256,18 @@ class LLM:
             if bar is not None:
                 bar.close()
         self._generate_seconds += time.perf_counter() - start
-        return [
-            RequestOutput(
-                request_id=r.request_id,
-                prompt=text,
-                prompt_token_ids=list(r.prompt_token_ids),
-                outputs=[CompletionOutput(0, self._decode(r.output_token_ids), list(r.output_token_ids), r.finish_reason)],
-                metrics=_request_metrics(r),
-            )
-            for (text, _), r in zip(parsed, requests)
-        ]
+        outputs = []
+        for (text, ids), params, group in zip(parsed, params_list, groups):
+            prompt_lp = None
+            if params.prompt_logprobs is not None:
+                prompt_lp = prompt_logprobs(self.runner.params[0], self.model_config, ids, params.prompt_logprobs,
+                                            self.tokenizer)
+            outputs.append(RequestOutput(
+                request_id=group[0].request_id, prompt=text, prompt_token_ids=list(ids),
+                outputs=[completion(j, r, self.tokenizer) for j, r in enumerate(group)],
+                metrics=_request_metrics(group[0]), prompt_logprobs=prompt_lp,
+            ))
+        return outputs
 
     def get_tokenizer(self):
         """The model's ``tokenizers.Tokenizer`` (None when the model directory has none)."""
@@ -303,11 +304,6 @@ class LLM:
         for out, prompt in zip(outputs, prompts):
             out.prompt = self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
         return outputs
-
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def warmup(self) -> None:
         """Compile every bucket now (``LLM(warmup=True)`` already did)."""

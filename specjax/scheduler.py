@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import enum
 import logging
+from typing import Any
 
 from specjax.config import EngineConfig, SamplingParams
 from specjax.input_batch import SlotTable
@@ -58,6 +59,14 @@ class Request:
     """Drafts accepted for this request."""
     slot: int | None = None
     """Row of the engine's per-slot buffers while running; None otherwise."""
+    logit_bias: tuple[tuple[int, ...], tuple[float, ...]] = ((), ())
+    """(ids, values): the request's logit bias, banned bad-word tokens (-inf) included."""
+    stop_checker: Any = None
+    """Called with each committed token id; returns the stop string it completed, or None."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that finished the request, if any."""
+    output_logprobs: list | None = None
+    """Per output token (requests with ``logprobs``): (logprob, rank, top ids, top logprobs)."""
 
     @property
     def num_tokens(self) -> int:
@@ -193,8 +202,14 @@ class Scheduler:
         return kept
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
-        if token in request.stop_ids:
-            return "stop"
+        stop_string = request.stop_checker(token) if request.stop_checker is not None else None
+        if len(request.output_token_ids) >= request.params.min_tokens:  # no stop of any kind before min_tokens
+            if token in request.stop_ids:
+                request.stop_reason = token
+                return "stop"
+            if stop_string is not None:
+                request.stop_reason = stop_string
+                return "stop"
         if len(request.output_token_ids) >= request.params.max_tokens:
             return "length"
         if request.num_tokens >= self.config.max_model_len:

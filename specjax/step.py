@@ -23,10 +23,19 @@ import numpy as np
 
 from models.llama import LlamaConfig
 from specjax.kv_cache import KVCache
+from specjax.sample.processors import SamplingState, absorb_committed, absorb_context, apply_processors, \
+    logprob_outputs
+from specjax.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from specjax.sample.transforms import argmax_last, request_keys, row_exponentials, sample_with_exponentials, \
     shape_logits
 from specjax.spec_decode.proposer import Proposer, Verified
 from specjax.spec_decode.verify import assemble_window, verify_forward, verify_tokens
+
+
+MAX_BIAS = MAX_LOGIT_BIAS
+"""Logit-bias entries one row can carry (its logit_bias plus banned single-token bad_words)."""
+MAX_STOP_IDS = 32
+"""Stop ids one row's min_tokens can block."""
 
 
 @flax.struct.dataclass
@@ -37,6 +46,8 @@ class DecodeState:
     """The target's paged KV cache."""
     proposer: Any
     """The proposer's own device state (a draft model's or head's KV, pending drafts), or None."""
+    sampling: SamplingState
+    """Per-slot token statistics for the penalties."""
 
 
 @flax.struct.dataclass
@@ -79,6 +90,28 @@ class StepBatch:
     """uint32 [B]: per-request seed."""
     sample_indices: jax.Array
     """int32 [B]: output position of the first token sampled this step (keys the noise)."""
+    min_p: jax.Array
+    """float32 [B]: 0 = off."""
+    presence_penalty: jax.Array
+    """float32 [B]: 0 = off."""
+    frequency_penalty: jax.Array
+    """float32 [B]: 0 = off."""
+    repetition_penalty: jax.Array
+    """float32 [B]: 1 = off."""
+    bias_ids: jax.Array
+    """int32 [B, MAX_BIAS]: token ids of the row's logit bias (banned bad words included); -1 = unused."""
+    bias_values: jax.Array
+    """float32 [B, MAX_BIAS]: the bias of each id (-inf bans)."""
+    min_tokens: jax.Array
+    """int32 [B]: stop ids are blocked while fewer than this many tokens are out."""
+    stop_ids: jax.Array
+    """int32 [B, MAX_STOP_IDS]: the row's stop ids (EOS and stop_token_ids) for min_tokens; -1 = unused."""
+    prompt_len: jax.Array
+    """int32 [B]: the request's prompt length (positions below it are prompt for the penalties)."""
+    reset: jax.Array
+    """bool [B]: the slot was just (re)assigned: its per-slot statistics start over."""
+    num_logprobs: jax.Array
+    """int32 [B]: top log-probabilities to return per committed token; -1 = no logprobs."""
 
     @classmethod
     def zeros(cls, batch: int, length: int, k: int, max_blocks: int) -> "StepBatch":
@@ -101,6 +134,17 @@ class StepBatch:
             seed_streams=np.zeros((batch,), np.uint32),
             seeds=np.zeros((batch,), np.uint32),
             sample_indices=np.zeros((batch,), i32),
+            min_p=np.zeros((batch,), np.float32),
+            presence_penalty=np.zeros((batch,), np.float32),
+            frequency_penalty=np.zeros((batch,), np.float32),
+            repetition_penalty=np.ones((batch,), np.float32),
+            bias_ids=np.full((batch, MAX_BIAS), -1, i32),
+            bias_values=np.zeros((batch, MAX_BIAS), np.float32),
+            min_tokens=np.zeros((batch,), i32),
+            stop_ids=np.full((batch, MAX_STOP_IDS), -1, i32),
+            prompt_len=np.zeros((batch,), i32),
+            reset=np.zeros((batch,), bool),
+            num_logprobs=np.full((batch,), -1, i32),
         )
 
 
@@ -115,7 +159,7 @@ def _sample_plain(logits: jax.Array, batch: StepBatch, keys: jax.Array) -> jax.A
     random_rows = batch.temperature > 0
 
     def sampled():
-        shaped = shape_logits(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, V]
+        shaped = shape_logits(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)  # [B, V]
         drawn = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
         return jnp.where(random_rows, drawn, greedy)
 
@@ -144,11 +188,11 @@ def _window(batch: StepBatch, drafts: jax.Array, block_size: int):
 
 
 def propose_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch):
-    """The proposer's drafts: (int32 [B, K], q [B, K, V] or None, state)."""
+    """The proposer's drafts: (int32 [B, K], q [B, K, V] or None, state). Also counts the catch-up tokens."""
     target_params, proposer_params = params
     drafts, q, pstate = spec.proposer.propose(proposer_params, target_params, state.proposer, batch,
                                               batch_keys(batch), k=batch.host_drafts.shape[1])
-    return drafts, q, DecodeState(target_kv=state.target_kv, proposer=pstate)
+    return drafts, q, state.replace(proposer=pstate, sampling=absorb_context(state.sampling, batch))
 
 
 def verify_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, drafts: jax.Array):
@@ -157,38 +201,62 @@ def verify_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, d
         params[0], state.target_kv, _window(batch, drafts, state.target_kv.block_size), batch.block_tables,
         config=spec.config, features=spec.proposer.features, aux_layer_ids=spec.proposer.aux_layer_ids,
     )
-    return logits, features, DecodeState(target_kv=target_kv, proposer=state.proposer)
+    return logits, features, state.replace(target_kv=target_kv)
 
 
-def sample_phase(spec: StepSpec, batch: StepBatch, drafts: jax.Array, q, logits: jax.Array):
-    """Committed tokens [B, K+1] and accepted drafts [B]: plain sampling at K = 0, rejection sampling otherwise."""
+def sample_phase(spec: StepSpec, state: DecodeState, batch: StepBatch, drafts: jax.Array, q, logits: jax.Array):
+    """Committed tokens [B, K+1] and accepted drafts [B]: plain sampling at K = 0, rejection sampling otherwise.
+
+    The logits processors (bias, min_tokens, penalties) apply first, at every window position.
+    """
     k = drafts.shape[1]
     keys = batch_keys(batch)
+    logits = apply_processors(logits, state.sampling, batch, drafts)  # [B, K+1, V]
     if k == 0:
         out = _sample_plain(logits[:, 0], batch, keys)[:, None]  # [B, 1]
         return out, jnp.zeros(out.shape[:1], jnp.int32)
     rates = None if spec.rates is None else jnp.asarray(spec.rates[:k])
     return verify_tokens(logits, drafts, batch.num_drafts, q, batch.temperature, batch.top_k, batch.top_p, keys,
-                         rates, method=spec.method, use_kernel=spec.use_kernel)
+                         rates, method=spec.method, use_kernel=spec.use_kernel, min_p=batch.min_p)
 
 
-def update_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, drafts, features, out, accepted):
-    """The proposer's after-verify update; returns (packed int32 [B, K+2], state)."""
+def update_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, drafts, features, logits, out,
+                 accepted):
+    """The proposer's after-verify update and the penalties' counts; returns (packed int32 output, state).
+
+    packed [B, K+2 + (K+1) * (2 + 2 * MAX_LOGPROBS)]: committed tokens (-1 after the last), the accepted
+    count, then per position the float32 bits of (logprob of the token, its rank, top ids, top logprobs).
+    """
     tokens, positions, slots, _ = _window(batch, drafts, state.target_kv.block_size)  # [B, W] each
     verified = Verified(tokens=tokens, positions=positions, slot_mapping=slots, features=features, drafts=drafts,
                         out_tokens=out, accepted=accepted)
     pstate = spec.proposer.update(params[1], params[0], state.proposer, batch, verified, k=drafts.shape[1])
-    packed = jnp.concatenate([out.astype(jnp.int32), accepted[:, None].astype(jnp.int32)], axis=1)  # [B, K+2]
-    return packed, DecodeState(target_kv=state.target_kv, proposer=pstate)
+    first = jnp.take_along_axis(batch.positions, batch.last_index[:, None], axis=1)[:, 0] + 1  # [B]
+    sampling = absorb_committed(state.sampling, batch, out, accepted, first)
+    logprobs = logprob_outputs(logits, out, batch.num_logprobs, MAX_LOGPROBS)  # [B, K+1, 2 + 2N]
+    b = out.shape[0]
+    packed = jnp.concatenate([
+        out.astype(jnp.int32), accepted[:, None].astype(jnp.int32),
+        jax.lax.bitcast_convert_type(logprobs, jnp.int32).reshape(b, -1),
+    ], axis=1)
+    return packed, state.replace(proposer=pstate, sampling=sampling)
 
 
 def decode_step(spec: StepSpec, params, state: DecodeState, batch: StepBatch) -> tuple[jax.Array, DecodeState]:
     """One engine step: the four phases in one program. ``params = (target, proposer)``; ``state`` is donated.
 
-    Returns (int32 [B, K+2]: committed tokens in columns 0..K (-1 after the last), accepted drafts in
-    column K+1; the new state). K (static) is ``batch.host_drafts.shape[1]``; K = 0 is a plain step.
+    Returns (the packed int32 output of :func:`update_phase`, the new state). K (static) is
+    ``batch.host_drafts.shape[1]``; K = 0 is a plain step.
     """
     drafts, q, state = propose_phase(spec, params, state, batch)  # [B, K], [B, K, V] | None
     logits, features, state = verify_phase(spec, params, state, batch, drafts)  # [B, K+1, V], [B, W, F] | None
-    out, accepted = sample_phase(spec, batch, drafts, q, logits)  # [B, K+1], [B]
-    return update_phase(spec, params, state, batch, drafts, features, out, accepted)
+    out, accepted = sample_phase(spec, state, batch, drafts, q, logits)  # [B, K+1], [B]
+    return update_phase(spec, params, state, batch, drafts, features, logits, out, accepted)
+
+
+def unpack(packed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host side of :func:`update_phase`'s output: (tokens [B, K+1], accepted [B], logprobs float32
+    [B, K+1, 2 + 2 * MAX_LOGPROBS])."""
+    b = packed.shape[0]
+    logprobs = np.ascontiguousarray(packed[:, k + 2:]).view(np.float32).reshape(b, k + 1, 2 + 2 * MAX_LOGPROBS)
+    return packed[:, : k + 1], packed[:, k + 1], logprobs

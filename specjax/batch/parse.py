@@ -23,23 +23,18 @@ COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 URLS = (COMPLETIONS_URL, CHAT_URL)
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words", "logprobs",
+                   "skip_special_tokens")
+CHAT_ONLY_FIELDS = ("top_logprobs",)
+"""Chat requests ask for log-probabilities OpenAI's way: ``logprobs: true`` plus ``top_logprobs: N``."""
 IGNORED_FIELDS = ("model", "user")
 # OpenAI / vLLM fields specjax does not implement: accepted only at a value that changes nothing.
 NOOP_VALUES: dict[str, tuple] = {
-    "n": (1,),
     "best_of": (1,),
     "stream": (False,),
     "echo": (False,),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
-    "min_tokens": (0,),
-    "stop": (None, "", []),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
 }
 
@@ -226,10 +221,17 @@ def _parse_object(
         prompt, ids = _prompt_from_body(body["prompt"], "body.prompt")
         return BatchRequest(line=line, custom_id=custom_id, url=url, prompt=prompt, prompt_token_ids=ids,
                             params=_sampling_params(body, "body.", **seed_args), prompt_field="body.prompt")
-    _check_fields(body, ("messages", "max_completion_tokens", *SAMPLING_FIELDS), "body.")
+    _check_fields(body, ("messages", "max_completion_tokens", *SAMPLING_FIELDS, *CHAT_ONLY_FIELDS), "body.")
     if "messages" not in body:
         raise ValueError("body.messages is missing")
     fields = dict(body)
+    top = fields.pop("top_logprobs", None)
+    if fields.get("logprobs") is not None:
+        if not isinstance(fields["logprobs"], bool):
+            raise ValueError(f"body.logprobs must be true or false for chat requests, got {short_repr(fields['logprobs'])}")
+        fields["logprobs"] = (0 if top is None else top) if fields["logprobs"] else None
+    elif top is not None:
+        raise ValueError("body.top_logprobs needs body.logprobs = true")
     if fields.get("max_completion_tokens") is not None:
         if fields.get("max_tokens") is not None:
             raise ValueError("give body.max_tokens or body.max_completion_tokens, not both")

@@ -37,15 +37,37 @@ def unexpected_error(line: int, custom_id: str | None, where: str, exc: BaseExce
 def result_record(request: BatchRequest, output) -> dict[str, Any]:
     """The record of a finished request (``output`` is a :class:`specjax.RequestOutput`)."""
     completion = output.outputs[0]
-    return {
+    record = {
         "custom_id": request.custom_id,
         "line": request.line,
         "text": completion.text,
         "token_ids": list(completion.token_ids),
         "finish_reason": completion.finish_reason,
-        "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(completion.token_ids)},
+        "usage": {"prompt_tokens": len(output.prompt_token_ids),
+                  "completion_tokens": sum(len(c.token_ids) for c in output.outputs)},
         "metrics": dict(output.metrics),
     }
+    if completion.stop_reason is not None:
+        record["stop_reason"] = completion.stop_reason
+    top_n = request.params.logprobs
+    if completion.logprobs is not None:
+        record["logprobs"] = _logprobs(completion, top_n)
+    if len(output.outputs) > 1:  # n > 1: every completion, the first repeated at the top level
+        record["choices"] = [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                              **({"logprobs": _logprobs(c, top_n)} if c.logprobs is not None else {})}
+                             for c in output.outputs]
+    return record
+
+
+def _logprobs(completion, top_n: int) -> list[dict[str, Any]]:
+    """Per token: its id and log-probability, then the ``top_n`` most likely (OpenAI's ``top_logprobs`` shape)."""
+    out = []
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= top_n)
+        out.append({"token_id": token, "logprob": entry[token].logprob,
+                    "top_logprobs": [{"token_id": t, "logprob": v} for _, t, v in top]})
+    return out
 
 
 def _dumps(record: Mapping[str, Any]) -> bytes:

@@ -26,15 +26,29 @@ from pallas_kernels.sampling_ops import (  # noqa: F401  (re-exported)
 )
 
 
-def shape_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """:func:`transform_logits` whose top-k/top-p sort runs only when a sampling row asks for it.
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """-inf where p(x) < min_p * max p (on temperature-scaled ``logits [B, ..., V]``); min_p 0 = off."""
+    m = min_p.reshape(min_p.shape + (1,) * (logits.ndim - 1))
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    # p(x) / p_max = exp(l(x) - l_max): compare in log space, no normalizer needed.
+    return jnp.where((m > 0) & (logits - top < jnp.log(jnp.maximum(m, 1e-30))), float("-inf"), logits)
 
-    The decision is made at run time (``lax.cond`` over the sort alone), so one compiled sampler serves
-    batches with and without filters. Greedy rows keep their raw logits (top-k/top-p never remove
-    the maximum, so their argmax is unchanged either way). Returns float32 ``[B, ..., V]``.
+
+def shape_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                 min_p: jax.Array | None = None) -> jax.Array:
+    """Temperature -> min-p -> top-k -> top-p, with the filters run only when a sampling row asks for one.
+
+    The decision is made at run time (``lax.cond`` over the filters alone), so one compiled sampler serves
+    batches with and without them. Without min-p this is :func:`transform_logits`. Greedy rows keep their
+    raw logits (the filters never remove the maximum, so their argmax is unchanged either way).
+    Returns float32 ``[B, ..., V]``.
     """
-    filtering = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
+    random_rows = temperature > 0
+    filtering = jnp.any(random_rows & ((top_k > 0) | (top_p < 1.0)))
     scaled = apply_temperature(logits, temperature)
+    if min_p is not None:
+        min_p = jnp.where(random_rows, min_p, 0.0)
+        scaled = jax.lax.cond(jnp.any(min_p > 0), lambda: apply_min_p(scaled, min_p), lambda: scaled)
     return jax.lax.cond(filtering, lambda: apply_top_k_top_p(scaled, top_k, top_p), lambda: scaled)
 
 

@@ -76,7 +76,8 @@ def draft_propose(
     def draw(step_logits, key):  # [B, V] -> (ids [B], q [B, V] or None)
         if shared is not None:
             step_logits = jnp.where(shared, step_logits, -jnp.inf)
-        return draw_draft(step_logits, temperature, top_k, top_p, key, probabilistic=probabilistic)
+        return draw_draft(step_logits, temperature, top_k, top_p, key, probabilistic=probabilistic,
+                          min_p=batch.min_p)
 
     md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=batch.block_tables)
     logits, _, draft_cache = forward(

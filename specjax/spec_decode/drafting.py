@@ -29,7 +29,7 @@ def draft_keys(keys: jax.Array) -> Callable[[int], jax.Array]:
 
 
 def draw_draft(
-    logits: jax.Array, temperature, top_k, top_p, keys: jax.Array, *, probabilistic: bool
+    logits: jax.Array, temperature, top_k, top_p, keys: jax.Array, *, probabilistic: bool, min_p=None
 ) -> tuple[jax.Array, jax.Array | None]:
     """One draft token per row of ``logits [B, V]`` and, when probabilistic, its distribution q [B, V].
 
@@ -38,7 +38,7 @@ def draw_draft(
     greedy = argmax_last(logits)  # [B]
     if not probabilistic:
         return greedy, None
-    shaped = shape_logits(logits, temperature, top_k, top_p)  # [B, V]
+    shaped = shape_logits(logits, temperature, top_k, top_p, min_p)  # [B, V]
     q = jax.nn.softmax(shaped, axis=-1)
     sampled = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
     return jnp.where(temperature > 0, sampled, greedy), q

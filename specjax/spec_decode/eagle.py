@@ -70,7 +70,8 @@ def fusion_head_drafts(
             return head_greedy_tokens(head_params, target_params, hidden, config=config,
                                       target_config=target_config)[:, 0], None
         logits = head_target_logits(head_params, target_params, hidden, config=config, target_config=target_config)
-        return draw_draft(logits[:, 0], batch.temperature, batch.top_k, batch.top_p, draw_key(j), probabilistic=True)
+        return draw_draft(logits[:, 0], batch.temperature, batch.top_k, batch.top_p, draw_key(j), probabilistic=True,
+                          min_p=batch.min_p)
 
     x, k_c, v_c = head.apply(
         {"params": head_params}, embed(nxt), feats, win_pos, head_cache.k[0], head_cache.v[0], md, block_size,

@@ -40,7 +40,8 @@ class MedusaProposer(HeadProposer):
         logits = medusa_target_logits(params, target_params, h, config=self.config,
                                       target_config=self.target_config)[:, : self.num_out]  # [B, K, V]
         key = draft_keys(self.next_step_keys(batch, verified))
-        drawn = [draw_draft(logits[:, j], batch.temperature, batch.top_k, batch.top_p, key(j), probabilistic=True)
+        drawn = [draw_draft(logits[:, j], batch.temperature, batch.top_k, batch.top_p, key(j), probabilistic=True,
+                            min_p=batch.min_p)
                  for j in range(self.num_out)]  # K is small and static: one draw per head
         drafts = jnp.stack([t for t, _ in drawn], axis=1)  # [B, K]
         return self.store(state, batch, drafts, None, jnp.stack([q for _, q in drawn], axis=1))

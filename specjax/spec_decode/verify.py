@@ -82,6 +82,7 @@ def verify_tokens(
     *,
     method: str,
     use_kernel: bool = False,
+    min_p: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Committed tokens ``[B, K+1]`` and accepted counts ``[B]``.
 
@@ -90,7 +91,7 @@ def verify_tokens(
     batch asks for; it takes its greedy-only path (one argmax pass) when no row samples.
     """
     random_rows = temperature > 0
-    shaped = shape_logits(target_logits, temperature, top_k, top_p)  # [B, K+1, V]; greedy rows: raw
+    shaped = shape_logits(target_logits, temperature, top_k, top_p, min_p)  # [B, K+1, V]; greedy rows: raw
     return rejection_sample_jit(
         draft_ids, num_drafts, shaped, draft_probs, random_rows.astype(jnp.float32), None, None, keys,
         conditional_rates, method=method, use_kernel=use_kernel,
