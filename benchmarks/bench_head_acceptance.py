@@ -1,7 +1,8 @@
 """Held-out acceptance of a draft head through the engine: greedy, fixed K, vs the same head untrained.
 
 Prompts are the held-out side of :func:`specjax.train.selfgen.build_prompts` (topics no training prompt
-used), rendered with the target's chat template as ``train-head --corpus generated`` renders them. Three
+used), rendered with the target's chat template as ``train-head --corpus generated`` renders them, or
+(``--prompts stdlib``) the first 200 characters of the stdlib split's held-out files. Three
 runs on the same engine settings: plain decoding, the head, and the head with its weights re-drawn at
 random (same config, same d2t): a floor that shows what training bought. Greedy outputs must equal
 plain decoding's (checked). Wall times are recorded, not compared (this is an acceptance benchmark).
@@ -31,6 +32,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--head", required=True)
+    p.add_argument("--prompts", default="generated", choices=["generated", "stdlib"],
+                   help="held-out prompts: selfgen's (prose/chat/code) or the stdlib split's files")
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
@@ -41,7 +44,14 @@ def main() -> None:
 
     target = resolve_model(args.target)
     head = resolve_model(args.head)
-    _, held = selfgen.build_prompts()
+    if args.prompts == "stdlib":  # the built-in target's held-out files, as tests/test_heads.py takes them
+        from specjax.train import corpus
+
+        _, files = corpus.split_files()
+        files = [f for f in files if not f.startswith("encodings/")] or files
+        held = [selfgen.Prompt("code", corpus.read_text(f)[:200]) for f in files]
+    else:
+        _, held = selfgen.build_prompts()
     ids = [x for x in selfgen.encode_prompts(target, held, args.max_prompt_tokens) if x][: args.num_prompts]
     prompts = [{"prompt_token_ids": x} for x in ids]
     params = specjax.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
