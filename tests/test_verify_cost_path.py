@@ -190,3 +190,19 @@ def test_other_platforms_lower_matmul_t_to_one_dot():
     cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
     assert "reduce" in cpu and "dot_general" not in cpu
     np.testing.assert_allclose(llama.matmul_t(x, w_t), np.full((5, 96), 64.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "m,k,streamed",
+    [(1, 64, False), (2, 64, True), (5, 64, True), (16, 64, True), (17, 64, False), (24, 1024, True),
+     (32, 1024, True), (33, 1024, False)],
+)
+def test_matmul_t_path_by_rows_and_contraction(m, k, streamed):
+    """Row-streaming for 2..16 rows (2..32 when K >= 1024) on CPU, one dot otherwise; same values either way."""
+    rng = np.random.default_rng(m * k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w_t = jnp.asarray(rng.standard_normal((40, k)), jnp.float32)
+    text = jax.jit(llama.matmul_t).trace(x, w_t).lower(lowering_platforms=("cpu",)).as_text()
+    assert ("dot_general" not in text) == streamed and ("reduce" in text) == streamed
+    expected = np.asarray(x, np.float64) @ np.asarray(w_t, np.float64).T
+    np.testing.assert_allclose(np.asarray(llama.matmul_t(x, w_t)), expected, rtol=1e-5, atol=1e-4)
