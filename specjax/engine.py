@@ -29,7 +29,6 @@ from specjax.scheduler import Request, Scheduler
 from specjax.spec_decode.controller import ControllerConfig, SpeculationController
 from specjax.spec_decode.proposer import Proposer
 from specjax.sample.processors import SamplingState
-from specjax.sampling_params import MAX_LOGPROBS
 from specjax.step import DecodeState, StepBatch, StepSpec, decode_step, propose_phase, sample_phase, unpack, \
     update_phase, verify_phase
 
@@ -364,10 +363,11 @@ class Engine:
             first = not request.output_token_ids
             kept = self.scheduler.commit(row, tokens[i, : accepted + 1].tolist(), num_computed=computed + accepted)
             if request.output_logprobs is not None:
-                n = request.params.logprobs
+                width = (logprobs.shape[-1] - 2) // 2
+                n = min(request.params.logprobs, width)
                 for lp in logprobs[i, : len(kept)]:  # (logprob, rank, top ids, top logprobs) per kept token
                     request.output_logprobs.append((float(lp[0]), int(lp[1]), lp[2:2 + n].astype(np.int64),
-                                                    lp[2 + MAX_LOGPROBS:2 + MAX_LOGPROBS + n].copy()))
+                                                    lp[2 + width:2 + width + n].copy()))
             drafted = int(num_drafts[i])
             if drafted:
                 self.spec_stats.observe(drafted, accepted)

@@ -151,7 +151,7 @@ def _prompt_logprob_table(params, tokens: jax.Array, length: jax.Array, *, confi
     nxt = tokens[1:]
     chosen = jnp.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0]  # [L-1]
     rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1)
-    top_lp, top_ids = jax.lax.top_k(lp, max(top_n, 1))
+    top_lp, top_ids = jax.lax.top_k(lp, max(1, min(top_n, lp.shape[-1])))
     return chosen, rank, top_ids, top_lp
 
 
@@ -171,7 +171,7 @@ def prompt_logprobs(params, config, token_ids: list[int], top_n: int, tokenizer)
     out: list[dict[int, Logprob] | None] = [None]
     for i in range(1, n):
         entry = {int(t): Logprob(float(v), r + 1, _piece(tokenizer, t))
-                 for r, (t, v) in enumerate(zip(top_ids[i - 1, :top_n].tolist(), top_lp[i - 1, :top_n].tolist()))}
+                 for r, (t, v) in enumerate(zip(top_ids[i - 1].tolist()[:top_n], top_lp[i - 1].tolist()[:top_n]))}
         entry[int(token_ids[i])] = Logprob(float(chosen[i - 1]), int(rank[i - 1]), _piece(tokenizer, token_ids[i]))
         out.append(entry)
     return out

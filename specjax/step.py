@@ -224,8 +224,8 @@ def update_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, d
                  accepted):
     """The proposer's after-verify update and the penalties' counts; returns (packed int32 output, state).
 
-    packed [B, K+2 + (K+1) * (2 + 2 * MAX_LOGPROBS)]: committed tokens (-1 after the last), the accepted
-    count, then per position the float32 bits of (logprob of the token, its rank, top ids, top logprobs).
+    packed [B, K+2 + (K+1) * (2 + 2N)], N = :func:`top_logprobs`: committed tokens (-1 after the last), the
+    accepted count, then per position the float32 bits of (logprob of the token, its rank, top ids, top logprobs).
     """
     tokens, positions, slots, _ = _window(batch, drafts, state.target_kv.block_size)  # [B, W] each
     verified = Verified(tokens=tokens, positions=positions, slot_mapping=slots, features=features, drafts=drafts,
@@ -233,7 +233,7 @@ def update_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, d
     pstate = spec.proposer.update(params[1], params[0], state.proposer, batch, verified, k=drafts.shape[1])
     first = jnp.take_along_axis(batch.positions, batch.last_index[:, None], axis=1)[:, 0] + 1  # [B]
     sampling = absorb_committed(state.sampling, batch, out, accepted, first)
-    logprobs = logprob_outputs(logits, out, batch.num_logprobs, MAX_LOGPROBS)  # [B, K+1, 2 + 2N]
+    logprobs = logprob_outputs(logits, out, batch.num_logprobs, top_logprobs(logits.shape[-1]))  # [B, K+1, 2+2N]
     b = out.shape[0]
     packed = jnp.concatenate([
         out.astype(jnp.int32), accepted[:, None].astype(jnp.int32),
@@ -254,9 +254,14 @@ def decode_step(spec: StepSpec, params, state: DecodeState, batch: StepBatch) ->
     return update_phase(spec, params, state, batch, drafts, features, logits, out, accepted)
 
 
+def top_logprobs(vocab: int) -> int:
+    """N: how many top log-probabilities each position of a step returns (MAX_LOGPROBS, or the vocabulary)."""
+    return min(MAX_LOGPROBS, vocab)
+
+
 def unpack(packed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host side of :func:`update_phase`'s output: (tokens [B, K+1], accepted [B], logprobs float32
-    [B, K+1, 2 + 2 * MAX_LOGPROBS])."""
+    [B, K+1, 2 + 2N])."""
     b = packed.shape[0]
-    logprobs = np.ascontiguousarray(packed[:, k + 2:]).view(np.float32).reshape(b, k + 1, 2 + 2 * MAX_LOGPROBS)
+    logprobs = np.ascontiguousarray(packed[:, k + 2:]).view(np.float32).reshape(b, k + 1, -1)
     return packed[:, : k + 1], packed[:, k + 1], logprobs
