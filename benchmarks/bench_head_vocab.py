@@ -57,7 +57,8 @@ def make_step(hc: HeadConfig, t_config, block: int, scatter: bool = False):
     return run
 
 
-def bench(target_path: str, draft_vocabs: list[int], batches: list[int], reps: int, inner: int, method: str):
+def bench(target_path: str, draft_vocabs: list[int], batches: list[int], reps: int, inner: int, method: str,
+          layout: str):
     t_config, t_params = load_hf_model(resolve_model(target_path), "float32")
     rows = []
     for b in batches:
@@ -67,8 +68,7 @@ def bench(target_path: str, draft_vocabs: list[int], batches: list[int], reps: i
         runs = {}
         base = None
         for name, vd in configs:
-            kw = {"layout": "eagle3"} if method == "eagle3" else {}
-            hc = HeadConfig.for_target(method, t_config, draft_vocab_size=vd, **kw)
+            hc = HeadConfig.for_target(method, t_config, draft_vocab_size=vd, layout=layout)
             hp = init_head_params(hc, jax.random.key(0))
             if base is None:
                 base = hp
@@ -99,20 +99,21 @@ def bench(target_path: str, draft_vocabs: list[int], batches: list[int], reps: i
                          "vs_full": round(med / full, 3)})
             print(f"batch {b:3d} {name:>8s}: {1e3 * med:8.3f} ms/step  ({med / full:.2f}x full vocab)")
     return {"target": target_path, "vocab_size": t_config.vocab_size, "hidden_size": t_config.hidden_size,
-            "method": method, "reps": reps, "inner": inner, "rows": rows}
+            "method": method, "layout": layout, "reps": reps, "inner": inner, "rows": rows}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="builtin:target")
     p.add_argument("--method", default="eagle3", choices=["eagle", "eagle3", "mtp"])
+    p.add_argument("--layout", default="eagle3", choices=["specjax", "eagle1", "eagle3"])
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[1024])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--out", default=None, help="append the result to this JSON file (a list)")
     args = p.parse_args()
-    res = bench(args.target, args.draft_vocab, args.batch, args.reps, args.inner, args.method)
+    res = bench(args.target, args.draft_vocab, args.batch, args.reps, args.inner, args.method, args.layout)
     res["date"] = datetime.date.today().isoformat()
     res["command"] = "python benchmarks/bench_head_vocab.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
