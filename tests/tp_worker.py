@@ -31,13 +31,14 @@ def main(model_dir: str) -> None:
     # An EAGLE-3 head (random; replicated under any tp) reading the target's aux layers through sharded verify.
     head = HeadConfig.for_target("eagle3", load_hf_model(model_dir)[0])
     head_dir = save_head(tempfile.mkdtemp(), head, init_head_params(head, jax.random.key(0)), dtype="float32")
+    # Fixed K (adaptive off): the plan, not the controller, is under test, and one K keeps compiles few.
     specs = {
         "plain": None,
-        "eagle3": {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 2},
-        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-        "draft_model": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2},
+        "eagle3": {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 2, "adaptive": False},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False},
+        "draft_model": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2, "adaptive": False},
         "draft_model_tp1": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2,
-                            "draft_tensor_parallel_size": 1},
+                            "draft_tensor_parallel_size": 1, "adaptive": False},
     }
     out = {"outputs": {}, "shardings": {}, "steady_compiles": {}}
     for tp, dp in [(1, 1), (2, 1), (4, 1), (2, 2)]:

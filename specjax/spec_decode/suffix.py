@@ -261,6 +261,10 @@ class _SuffixTree:
         return out, score
 
 
+_GUARD = 8
+"""Recently seen tokens :meth:`SuffixProposer._sync` compares with the new sequence."""
+
+
 class _RequestState:
     """One running request: its tree (document 0 = its tokens), how many tokens it has seen, the active list."""
 
@@ -320,13 +324,18 @@ class SuffixProposer:
     def _sync(self, request_id: str, seq: np.ndarray) -> _RequestState:
         """Bring the request's tree up to ``seq`` by appending its new tail (O(new tokens)).
 
-        A request's sequence only grows (its committed tokens never change), so the tree is rebuilt
-        only if the sequence got shorter than what was seen (a re-used request id).
+        Contract: while a request runs its sequence only grows (committed tokens never change); a
+        request id is re-used only after :meth:`finish`. As a cheap guard against a caller breaking it,
+        the tree is rebuilt when the sequence got shorter or its last ``_GUARD`` seen tokens differ
+        (O(1); a rewrite further back goes unnoticed).
         """
         state = self._requests.get(request_id)
-        if state is not None and seq.shape[0] < state.num_seen:
-            logger.debug("request %s: sequence is shorter than the last one; rebuilding", request_id)
-            state = None
+        if state is not None:
+            seen = state.num_seen
+            lo = max(0, seen - _GUARD)
+            if seq.shape[0] < seen or seq[lo:seen].tolist() != state.doc[lo:seen]:
+                logger.debug("request %s: not an extension of the last sequence; rebuilding", request_id)
+                state = None
         if state is None:
             state = _RequestState(self.config.max_tree_depth)
             self._requests[request_id] = state
