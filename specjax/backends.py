@@ -12,6 +12,11 @@ traced, i.e. at its first compile):
 ``SPECJAX_SAMPLER_BACKEND``  ``auto`` (default) | ``xla`` | ``pallas``
     auto: the V-tiled fused Pallas rejection kernel on TPU; the batched XLA path
     on GPU (until the device check shows the kernel faster there) and CPU.
+``SPECJAX_WEIGHT_LAYOUT``  ``auto`` (default) | ``checkpoint`` | ``cpu``
+    auto: an unsharded model on CPU devices runs in ``models.llama.to_cpu_layout``
+    (fused, transposed weights that XLA:CPU streams once for a K+1-token verify,
+    issue 14); sharded models and other platforms keep the checkpoint layout.
+    ``cpu`` is ``auto`` that refuses where it does not apply; ``checkpoint`` never converts.
 
 The engine, the sampler front end and the model never test the platform themselves.
 """
@@ -24,7 +29,9 @@ import jax
 
 ATTENTION_ENV = "SPECJAX_ATTENTION_BACKEND"
 SAMPLER_ENV = "SPECJAX_SAMPLER_BACKEND"
+LAYOUT_ENV = "SPECJAX_WEIGHT_LAYOUT"
 CHOICES = ("auto", "xla", "pallas")
+LAYOUTS = ("auto", "checkpoint", "cpu")
 
 # Attention implementations (specjax.attention dispatches on these names).
 XLA = "xla"
@@ -73,6 +80,18 @@ def sampler_kernel_platform() -> str:
     return "tpu" if platform() == "tpu" else "gpu"
 
 
+def use_cpu_weight_layout(devices, tp: int) -> bool:
+    """Whether a model placed on ``devices`` and split ``tp`` ways runs in the derived CPU weight layout."""
+    value = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
+    if value not in LAYOUTS:
+        raise ValueError(f"{LAYOUT_ENV} must be one of {LAYOUTS}, got {value!r}")
+    applies = tp == 1 and all(d.platform == "cpu" for d in devices)
+    if value == "cpu" and not applies:
+        raise ValueError(f"{LAYOUT_ENV}=cpu needs an unsharded model on CPU devices, got tp={tp} on "
+                         f"{sorted({d.platform for d in devices})}")
+    return value != "checkpoint" and applies
+
+
 def describe() -> dict[str, str]:
     """What runs here, for logs and benchmark records."""
     return {
@@ -82,4 +101,5 @@ def describe() -> dict[str, str]:
         "sampler": "pallas_" + sampler_kernel_platform() if use_pallas_sampler() else "xla",
         ATTENTION_ENV: os.environ.get(ATTENTION_ENV, "auto"),
         SAMPLER_ENV: os.environ.get(SAMPLER_ENV, "auto"),
+        LAYOUT_ENV: os.environ.get(LAYOUT_ENV, "auto"),
     }

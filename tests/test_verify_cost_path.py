@@ -206,3 +206,41 @@ def test_matmul_t_path_by_rows_and_contraction(m, k, streamed):
     assert ("dot_general" not in text) == streamed and ("reduce" in text) == streamed
     expected = np.asarray(x, np.float64) @ np.asarray(w_t, np.float64).T
     np.testing.assert_allclose(np.asarray(llama.matmul_t(x, w_t)), expected, rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- what the engine runs
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the layout choice for CPU devices")
+def test_engine_runs_the_cpu_layout_on_cpu_and_the_checkpoint_layout_when_asked(tmp_path, monkeypatch):
+    """On CPU (tp 1) the engine's target and draft model run in the derived layout, giving the same greedy
+    tokens as the checkpoint layout (SPECJAX_WEIGHT_LAYOUT=checkpoint); layout names are checked."""
+    import specjax
+
+    d = make_tiny_checkpoint(tmp_path / "m", "llama", num_heads=4, num_kv_heads=2)
+    spec = {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3, "adaptive": False}
+    prompts = [{"prompt_token_ids": [1, 5, 9, 13, 2, 7]}, {"prompt_token_ids": [3, 4, 5, 6, 7, 8, 9]}]
+    sp = specjax.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for layout in ("auto", "checkpoint"):
+        monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", layout)
+        llm = specjax.LLM(str(d), speculative_config=spec, max_model_len=64, max_num_seqs=2, warmup=False)
+        target, (draft, _) = llm.runner.params
+        assert llm.runner.cpu_weight_layout == is_cpu_layout(target) == is_cpu_layout(draft) == (layout == "auto")
+        runs[layout] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert runs["auto"] == runs["checkpoint"]
+    monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", "fused")
+    with pytest.raises(ValueError, match="SPECJAX_WEIGHT_LAYOUT"):
+        specjax.LLM(str(d), max_model_len=64, warmup=False)
+
+
+def test_cpu_layout_cannot_be_sharded():
+    from specjax.parallel.sharding import param_partition_specs
+
+    c = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8)
+    cpu = to_cpu_layout(init_params(c, jax.random.key(0)), c)
+    assert all(all(a is None for a in s) for s in jax.tree.leaves(
+        param_partition_specs(cpu, c, tp=1), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    with pytest.raises(ValueError, match="kernel_t is in the one-device CPU layout"):
+        param_partition_specs(cpu, c, tp=2)

@@ -95,11 +95,19 @@ def param_partition_specs(params: Any, config: LlamaConfig, *, tp: int) -> Any:
         ("down_proj", "kernel"): P(ffn, None),
     }
     norms = {"input_layernorm", "post_attention_layernorm", "norm", "q_norm", "k_norm"}
+    # models.llama.to_cpu_layout's fused, transposed weights: for one device only.
+    cpu_layout = {("qkv_proj", "kernel_t"), ("qkv_proj", "bias"), ("o_proj", "kernel_t"),
+                  ("gate_up_proj", "kernel_t"), ("down_proj", "kernel_t"), ("lm_head", "kernel_t")}
 
     def spec(path, leaf) -> P:
         names = tuple(getattr(k, "key", str(k)) for k in path)
         if names[-2:] in rules:
             return rules[names[-2:]]
+        if names[-2:] in cpu_layout:
+            if tp > 1:
+                raise ValueError(f"parameter {'/'.join(names)} is in the one-device CPU layout; "
+                                 f"it cannot be split tp={tp} ways (load the checkpoint layout)")
+            return P()
         if len(names) >= 2 and names[-2] in norms and names[-1] == "scale":
             return P()
         raise ValueError(f"no sharding rule for parameter {'/'.join(names)} with shape {np.shape(leaf)}")
