@@ -11,7 +11,7 @@ with logits at all K+1 positions (``verify_forward``).
 
 Two variants of the same weights, side by side in one process:
 
-* ``before``: the checkpoint layout with ``models.llama.ROWS_PATH_MAX_ROWS = 0``
+* ``before``: the checkpoint layout with ``models.cpu_layout.ROWS_PATH_MAX_ROWS = 0``
   while tracing, which is the lowering the project had before issue 14 (every
   projection one dot against ``[in, out]`` weights);
 * ``after``: ``models.llama.to_cpu_layout`` params (fused, transposed weights)
@@ -62,6 +62,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import models.cpu_layout as cpu_layout  # noqa: E402
 import models.llama as llama  # noqa: E402
 from models.llama import LlamaConfig, forward, init_params, num_params, to_cpu_layout  # noqa: E402
 from models.loading import load_model  # noqa: E402
@@ -115,12 +116,12 @@ def param_bytes(params) -> int:
 
 def compile_exe(fn, args, *, variant: str, donate=(1,)):
     """AOT-compile like the engine; ``before`` traces with the row-streaming path switched off."""
-    saved = llama.ROWS_PATH_MAX_ROWS
-    llama.ROWS_PATH_MAX_ROWS = 0 if variant == "before" else saved
+    saved = cpu_layout.ROWS_PATH_MAX_ROWS
+    cpu_layout.ROWS_PATH_MAX_ROWS = 0 if variant == "before" else saved
     try:
         return jax.jit(fn, donate_argnums=donate).lower(*args).compile(compiler_options())
     finally:
-        llama.ROWS_PATH_MAX_ROWS = saved
+        cpu_layout.ROWS_PATH_MAX_ROWS = saved
 
 
 class Timer:
@@ -366,7 +367,7 @@ def main() -> None:
                     "cpus_used": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg(),
                     "jax": jax.__version__, "backend": jax.default_backend()},
         "compiler_options": compiler_options(),
-        "rows_path_max_rows": llama.ROWS_PATH_MAX_ROWS,
+        "rows_path_max_rows": cpu_layout.ROWS_PATH_MAX_ROWS,
         "context": args.context, "reps": args.reps, "inner": args.inner,
     }
     if args.micro:

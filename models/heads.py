@@ -52,9 +52,7 @@ Param trees (``kernel`` layouts as in models/llama.py)::
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import flax.linen as nn
@@ -533,100 +531,10 @@ def split_trainable(params: Mapping[str, Any]) -> tuple[dict, dict]:
                                                                         if k in params}
 
 
-# --------------------------------------------------------------------------- files
-
-
-def _flatten(tree: Mapping[str, Any], leaf=np.asarray, prefix: str = "") -> dict[str, Any]:
-    """Dotted names -> ``leaf(value)`` of a nested param dict."""
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, leaf, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = leaf(v)
-    return out
-
-
-def _unflatten(flat: Mapping[str, np.ndarray]) -> dict:
-    tree: dict = {}
-    for name, v in flat.items():
-        node = tree
-        *path, leaf = name.split(".")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return tree
-
-
-def check_head_params(config: HeadConfig, params: Mapping[str, Any], where: str) -> None:
-    """ValueError unless ``params`` has exactly the names and shapes ``config`` implies (d2t ids in range)."""
-    expected = jax.eval_shape(lambda: init_head_params(config, jax.random.key(0)))
-    want = _flatten(expected, lambda v: tuple(v.shape))
-    got = _flatten(params, lambda v: tuple(np.shape(v)))
-    if want != got:
-        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        wrong = sorted(k for k in set(want) & set(got) if want[k] != got[k])
-        raise ValueError(f"{where}: params do not match the head config (missing {missing}, unexpected {extra}, "
-                         f"wrong shapes {wrong})")
-    if "d2t" in params:
-        d2t = np.asarray(params["d2t"])
-        if d2t.min() < 0 or d2t.max() >= config.vocab_size or len(np.unique(d2t)) != d2t.size:
-            raise ValueError(f"{where}: d2t must hold distinct target ids in [0, {config.vocab_size})")
-
-
-def save_head(path: str | Path, config: HeadConfig, params, *, dtype: str = "bfloat16") -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (dotted param names; d2t stays int32) to directory ``path``."""
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    path = Path(path)
-    dtypes = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-    if dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    check_head_params(config, params, str(path))
-    path.mkdir(parents=True, exist_ok=True)
-    flat = {k: (np.asarray(v, np.int32) if k in INT_PARAMS else np.asarray(v, np.float32).astype(dtypes[dtype]))
-            for k, v in _flatten(jax.device_get(params)).items()}
-    save_file(flat, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({**config.to_json(), "torch_dtype": dtype}, indent=2) + "\n")
-    return path
-
-
-def is_head_dir(path: str | Path) -> bool:
-    cfg = Path(path) / "config.json"
-    return cfg.is_file() and HEAD_ARCHITECTURE in (json.loads(cfg.read_text()).get("architectures") or [])
-
-
-def load_head(path: str | Path, dtype=np.float32, target_config: Optional[LlamaConfig] = None
-              ) -> tuple[HeadConfig, dict]:
-    """(HeadConfig, params) of a head directory; ValueError naming what is wrong.
-
-    specjax's own format (:func:`save_head`) and the published layouts of :mod:`models.published_heads`
-    (EAGLE-3 / EAGLE-1 as their authors publish them, the ``speculators`` format, FasterDecoding Medusa),
-    detected from config.json. ``target_config`` resolves what a published head leaves to the target
-    (EAGLE-3's default fused layers); pass it whenever the target is known.
-    """
-    from safetensors.numpy import load_file
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"draft head directory {str(path)!r} has no config.json")
-    raw = json.loads((path / "config.json").read_text())
-    if HEAD_ARCHITECTURE not in (raw.get("architectures") or []):
-        from models.published_heads import load_published_head
-
-        return load_published_head(path, dtype=dtype, target_config=target_config)
-    config = HeadConfig.from_json(raw)
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise ValueError(f"draft head directory {str(path)!r} has no model.safetensors")
-    flat = {k: (np.asarray(v, np.int32) if k in INT_PARAMS else np.asarray(v, np.float32).astype(dtype))
-            for k, v in load_file(str(weights)).items()}
-    params = _unflatten(flat)
-    check_head_params(config, params, str(weights))
-    return config, params
-
-
 def head_num_params(params) -> int:
     """Float parameter scalars of a head (d2t not counted)."""
     return int(sum(math.prod(np.shape(x)) for x in jax.tree_util.tree_leaves(split_trainable(params)[0])))
+
+
+# Files (save / load / check) live in models.head_files; re-exported for callers of this module.
+from models.head_files import check_head_params, is_head_dir, load_head, save_head  # noqa: E402,F401

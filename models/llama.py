@@ -29,20 +29,8 @@ Param layout (``params`` is the inner dict, i.e. ``Model.init(...)["params"]``):
     norm/scale                          [D]
     lm_head/kernel                      [D, V]      (absent if tie_word_embeddings)
 
-Derived XLA:CPU layout (:func:`to_cpu_layout`; the checkpoint layout above is
-unchanged and :func:`forward` accepts either tree)::
-
-    layers_{i}/self_attn/qkv_proj/kernel_t  [(H+2G)*E, D]  q, k, v rows stacked, transposed
-    layers_{i}/self_attn/qkv_proj/bias      [(H+2G)*E]     (only if attention_bias)
-    layers_{i}/self_attn/o_proj/kernel_t    [D, H*E]       (o_proj/bias unchanged)
-    layers_{i}/mlp/gate_up_proj/kernel_t    [2F, D]        gate rows then up rows
-    layers_{i}/mlp/down_proj/kernel_t       [D, F]
-    lm_head/kernel_t                        [V, D]         (untied only; a tied head reads embedding [V, D])
-
-Every projection then multiplies by a ``[N, K]`` matrix (:func:`matmul_t`),
-which on XLA:CPU reads the weight once for a step of 2-16 rows (B*T; 32 for
-K >= 1024) instead of taking the GEMM path; see :func:`matmul_t` and benchmarks/README.md
-("Verify cost on CPU").
+The derived XLA:CPU layout (fused, transposed weights) is in :mod:`models.cpu_layout`;
+:func:`forward` accepts either tree.
 
 Shape letters: b rows, t query tokens, s keys, d model, h q heads, g kv heads,
 r heads per kv, e head dim, f ffn, v vocab.
@@ -50,7 +38,6 @@ r heads per kv, e head dim, f ffn, v vocab.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -61,6 +48,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.cpu_layout import is_cpu_layout, matmul_t, to_cpu_layout  # noqa: F401 (re-exported)
+from models.llama_config import (  # noqa: F401 (re-exported)
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_ROPE_TYPES,
+    LlamaConfig,
+    _freeze,
+)
 from specjax.attention import paged_attention
 
 if TYPE_CHECKING:
@@ -75,207 +69,6 @@ def _kv():
     return kv_cache
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-# Keys each rope type needs in ``rope_scaling`` (besides rope_type).
-_ROPE_REQUIRED_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def _freeze(value: Any) -> Any:
-    """Make a JSON-ish value hashable (dict -> sorted tuple of pairs, list -> tuple)."""
-    if isinstance(value, Mapping):
-        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LlamaConfig:
-    """Static, hashable model config (used as a static jit argument).
-
-    ``rope_scaling`` is None (plain RoPE) or a sorted tuple of ``(key, value)``
-    pairs that includes ``("rope_type", ...)``; a dict passed in is frozen to that
-    form. ``sliding_window`` is stored only: :func:`forward` ignores it.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: Optional[tuple[tuple[str, Any], ...]] = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    """Bias on q/k/v projections."""
-    attention_out_bias: bool = False
-    """Bias on the o projection (HF Llama/Qwen3 ``attention_bias=True``; never Qwen2)."""
-    qk_norm: bool = False
-    max_position_embeddings: int = 4096
-    sliding_window: Optional[int] = None
-    """Stored only; forward attends over the full causal context."""
-    bos_token_id: Optional[int] = None
-    eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "LlamaForCausalLM"
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        # Normalise containers so the config is hashable (static jit arg).
-        if self.rope_scaling is not None:
-            object.__setattr__(self, "rope_scaling", _freeze(dict(self.rope_scaling)))
-            scaling = dict(self.rope_scaling)
-            rope_type = scaling.get("rope_type")
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(
-                    f"rope_scaling rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-                )
-            missing = [k for k in _ROPE_REQUIRED_KEYS[rope_type] if k not in scaling]
-            if missing:
-                raise ValueError(f"rope_scaling for rope_type {rope_type!r} is missing {missing}")
-            if rope_type in ("linear", "llama3") and not scaling["factor"] > 0:
-                raise ValueError(f"rope_scaling factor must be > 0, got {scaling['factor']}")
-            if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
-                raise ValueError("rope_scaling high_freq_factor must be > low_freq_factor")
-        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
-
-    # ---------------------------------------------------------------- derived
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
-    def rope_type(self) -> str:
-        return "default" if self.rope_scaling is None else dict(self.rope_scaling)["rope_type"]
-
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    # ---------------------------------------------------------------- HF
-
-    @classmethod
-    def from_hf_config(cls, d: Mapping[str, Any]) -> "LlamaConfig":
-        """Map a Hugging Face ``config.json`` dict (transformers 4.x or 5.x form)."""
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architectures {archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
-        if d.get("mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported")
-        heads = d["num_attention_heads"]
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
-
-        # RoPE: 5.x writes `rope_parameters` {rope_theta, rope_type, ...};
-        # 4.x writes `rope_theta` + `rope_scaling` {type|rope_type, ...}.
-        rope = dict(d.get("rope_parameters") or {})
-        if "rope_scaling" in d and d["rope_scaling"]:
-            rope = {**dict(d["rope_scaling"]), **rope}
-        if "rope_theta" not in rope:
-            rope["rope_theta"] = d.get("rope_theta", 10000.0)
-        rope_theta = float(rope.pop("rope_theta"))
-        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-        rope.pop("type", None)
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
-        rope.pop("partial_rotary_factor", None)
-        if rope_type == "default":
-            rope_scaling = None
-        else:
-            rope_scaling = {"rope_type": rope_type, **rope}
-            if rope_type == "llama3":
-                rope_scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
-
-        if arch == "Qwen2ForCausalLM":
-            qkv_bias, o_bias = True, False  # hard-wired in HF Qwen2, whatever the config says
-        elif arch == "MistralForCausalLM":
-            qkv_bias, o_bias = False, False
-        else:
-            qkv_bias = o_bias = bool(d.get("attention_bias", False))
-
-        sliding_window = d.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
-            sliding_window = None
-        if sliding_window is not None:
-            logger.warning("sliding_window=%s is stored but not applied by the forward pass", sliding_window)
-
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            attention_out_bias=o_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            sliding_window=sliding_window,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            architecture=arch,
-        )
-
 
 # --------------------------------------------------------------------------- RoPE
 
@@ -310,61 +103,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     x1, x2 = jnp.split(xf, 2, axis=-1)  # [B, T, N, E/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [B, T, N, E]
     return out.astype(x.dtype)
-
-
-# --------------------------------------------------------------------------- projections
-
-ROWS_PATH_MAX_ROWS = 16
-"""Most rows (B*T) a product takes the row-streaming formulation for on CPU; more rows use the dot.
-
-Twice that for weights with a long contraction (``K >= ROWS_PATH_WIDE_K``). Measured
-(benchmarks/README.md): with K = 576 the dot against ``[N, K]`` weights is as fast from
-16 rows on; with K = 2048 the row-streaming product still costs half the dot at 32 rows."""
-ROWS_PATH_WIDE_K = 1024
-
-
-def _dot_t(x2: jax.Array, w_t: jax.Array) -> jax.Array:
-    """``[M, K] x [N, K] -> float32 [M, N]`` as one dot (GEMV at M = 1, GEMM above)."""
-    return jax.lax.dot_general(x2, w_t.astype(x2.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _rows_product(x2: jax.Array, w_t: jax.Array) -> jax.Array:
-    """``[M, K] x [N, K] -> float32 [M, N]`` as a broadcast multiply summed over the minor axis K.
-
-    XLA:CPU (jaxlib 0.10) lowers this fusion to one YNNPACK kernel that reads each
-    weight row once for all M rows, where a dot with a few rows takes a GEMM path
-    costing 1.5-3x a one-row GEMV (benchmarks/README.md). That kernel is fastest
-    at power-of-two row counts (measured on a 64 MB weight: 5 rows cost 1.3x
-    8 rows), so the rows are zero-padded up to one. Producers of ``x2`` (norm
-    scale, silu * up) may fuse into the kernel; XLA keeps the weight a direct
-    operand, which is what matters.
-    """
-    m = x2.shape[0]
-    padded = 1 << (m - 1).bit_length()
-    xp = jnp.pad(x2.astype(jnp.float32), ((0, padded - m), (0, 0)))  # [Mp, K]
-    y = jnp.sum(w_t.astype(jnp.float32)[None, :, :] * xp[:, None, :], axis=-1)  # [Mp, N]
-    return y[:m]
-
-
-def matmul_t(x: jax.Array, w_t: jax.Array, *, out_dtype: Any = None) -> jax.Array:
-    """``x [..., K]`` times the transpose of ``w_t [N, K]`` -> ``[..., N]`` in ``out_dtype`` (default x's).
-
-    Accumulates in float32. With 2..ROWS_PATH_MAX_ROWS rows (twice that when
-    ``K >= ROWS_PATH_WIDE_K``) the CPU lowering is
-    :func:`_rows_product` (chosen per platform at lowering time by
-    ``lax.platform_dependent``); every other case, and every other platform, is
-    one dot.
-    """
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    lead, k = x.shape[:-1], x.shape[-1]
-    m = math.prod(lead)
-    x2 = x.reshape(m, k)  # [M, K]
-    max_rows = ROWS_PATH_MAX_ROWS * (2 if k >= ROWS_PATH_WIDE_K else 1)
-    if 2 <= m <= max_rows:
-        y = jax.lax.platform_dependent(x2, w_t, cpu=_rows_product, default=_dot_t)
-    else:
-        y = _dot_t(x2, w_t)
-    return y.astype(out_dtype).reshape(*lead, w_t.shape[0])  # [..., N]
 
 
 # --------------------------------------------------------------------------- modules
@@ -697,59 +435,6 @@ def _draw_params(key, names, shapes, dtype):
         jnp.ones(shape, dtype) if name == "scale" else jnp.zeros(shape, dtype) if name == "bias" else drawn[i]
         for i, (name, shape) in enumerate(zip(names, shapes))
     ]
-
-
-def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig) -> dict:
-    """The derived XLA:CPU layout (module docstring) of a checkpoint-layout param tree; same dtypes.
-
-    q/k/v become one ``[(H+2G)*E, D]`` matrix and gate/up one ``[2F, D]``; o/down
-    projections and an untied LM head are transposed to ``[out, in]``. Norms, the
-    embedding and o_proj's bias are kept. :func:`forward`, :func:`lm_head_logits`
-    and ``DecoderLayer`` run either layout and give the same logits up to float
-    rounding. Built on the host (numpy) once at load; it copies the weights, so
-    drop the checkpoint tree afterwards. For a single device (the CPU engine): the
-    fused matrices are not laid out for tensor-parallel sharding.
-    """
-    h, g, e = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    d, f = config.hidden_size, config.intermediate_size
-    if is_cpu_layout(params):
-        raise ValueError("params are already in the CPU layout")
-
-    def t(a, rows: int) -> np.ndarray:  # [in..., out...] with `rows` input elements -> [out, in]
-        return np.asarray(a).reshape(rows, -1).T
-
-    def stack(*mats: np.ndarray) -> jax.Array:
-        return jnp.asarray(np.ascontiguousarray(np.concatenate(mats, axis=0)))
-
-    out: dict[str, Any] = {}
-    for name, sub in params.items():
-        if not name.startswith("layers_"):
-            out[name] = sub
-            continue
-        attn, mlp = sub["self_attn"], sub["mlp"]
-        qkv = {"kernel_t": stack(*(t(attn[p]["kernel"], d) for p in ("q_proj", "k_proj", "v_proj")))}
-        if config.attention_bias:
-            qkv["bias"] = stack(*(np.asarray(attn[p]["bias"]).reshape(-1) for p in ("q_proj", "k_proj", "v_proj")))
-        new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_t": stack(t(attn["o_proj"]["kernel"], h * e))}}  # [D, H*E]
-        if "bias" in attn["o_proj"]:
-            new_attn["o_proj"]["bias"] = attn["o_proj"]["bias"]
-        for norm in ("q_norm", "k_norm"):
-            if norm in attn:
-                new_attn[norm] = attn[norm]
-        new_mlp = {
-            "gate_up_proj": {"kernel_t": stack(t(mlp["gate_proj"]["kernel"], d), t(mlp["up_proj"]["kernel"], d))},
-            "down_proj": {"kernel_t": stack(t(mlp["down_proj"]["kernel"], f))},  # [D, F]
-        }
-        out[name] = {**{k: v for k, v in sub.items() if k not in ("self_attn", "mlp")},
-                     "self_attn": new_attn, "mlp": new_mlp}
-    if "lm_head" in params:
-        out["lm_head"] = {"kernel_t": stack(t(params["lm_head"]["kernel"], d))}  # [V, D]
-    return out
-
-
-def is_cpu_layout(params: Mapping[str, Any]) -> bool:
-    """Whether ``params`` is in the derived CPU layout of :func:`to_cpu_layout`."""
-    return "qkv_proj" in params.get("layers_0", {}).get("self_attn", {})
 
 
 def num_params(params: Any) -> int:
