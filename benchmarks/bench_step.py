@@ -35,7 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    # The checkout being measured (cwd: this one, or --before's) supplies the prompt builder, whose module
+    # imports that checkout's specjax.
+    sys.path.insert(0, str(Path.cwd() / "benchmarks"))
     from bench_builtin import token_prompts
 
     return token_prompts(tokenizer, n, length)
