@@ -96,6 +96,30 @@ def test_top_k_top_p_mask_shapes_and_membership():
             np.testing.assert_array_equal(kept, ref)
 
 
+@pytest.mark.parametrize("scale, cases, fast", [
+    (4.0, [(5, 1.0), (0, 0.9), (50, 0.95), (0, 0.99), (3, 0.2), (0, 0.5)], True),  # every row closes early
+    (4.0, [(0, 0.5), (300, 1.0), (400, 0.7), (3, 0.2)], False),  # top-k past the candidates
+    (0.3, [(0, 0.9), (50, 0.95), (0, 0.99), (3, 0.2)], False),  # flat rows: the nucleus runs past them
+])
+def test_top_k_top_p_past_the_candidates_matches_the_definition(scale, cases, fast):
+    """V = 1000 > TOP_CANDIDATES: thresholds from the largest candidates when every row's filters close within
+    them, else one full sort for the batch; either way the kept set is the textbook one."""
+    from pallas_kernels.sampling_ops import TOP_CANDIDATES, _top_k_top_p_sorted
+
+    rng = np.random.default_rng(len(cases))
+    vocab = 1000
+    logits = jnp.asarray((scale * rng.normal(size=(len(cases), 2, vocab))).astype(np.float32))  # [B, T, V]
+    top_k = jnp.asarray([k for k, _ in cases], jnp.int32)
+    top_p = jnp.asarray([p for _, p in cases], jnp.float32)
+    _, closed = _top_k_top_p_sorted(logits, jax.lax.top_k(logits, TOP_CANDIDATES)[0], top_k, top_p)
+    assert bool(jnp.all(closed)) == fast  # the path this case is meant to cover
+    out = np.asarray(jax.jit(transform_logits)(logits, jnp.ones(len(cases)), top_k, top_p))
+    for b, (k, p) in enumerate(cases):
+        for t in range(2):
+            ref = _expected(np.asarray(logits[b, t], np.float64), 1.0, k, p) > 0
+            np.testing.assert_array_equal(np.isfinite(out[b, t]), ref, err_msg=str(cases[b]))
+
+
 def test_seeded_rows_are_batch_invariant():
     """A row's sample depends only on its own key, not on its neighbours or its row index."""
     rng = np.random.default_rng(1)
