@@ -15,6 +15,7 @@ chosen-K histogram and share of plain steps. Greedy outputs are checked equal to
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -67,21 +68,22 @@ def main() -> None:
     t0 = time.perf_counter()
     plain = build(args, None)
     prompts = token_prompts(plain.tokenizer, max(args.batches), args.prompt_len)
-    systems = {}
-    for method in args.methods:
-        base = dict(METHODS[method])
-        systems[(method, "adaptive")] = build(args, {**base, "num_speculative_tokens": args.k_max, "adaptive": True})
-        for k in args.static_ks:
-            systems[(method, f"K={k}")] = build(args, {**base, "num_speculative_tokens": k, "adaptive": False})
     compile_s = time.perf_counter() - t0
-    logger.info("built and compiled %d systems in %.0fs", len(systems) + 1, compile_s)
-
     results = []
-    for batch in args.batches:
-        for temperature in args.temperatures:
-            for method in args.methods:
-                names = ["plain"] + [name for (m, name) in systems if m == method]
-                llms = {"plain": plain, **{name: systems[(m, name)] for (m, name) in systems if m == method}}
+    for method in args.methods:
+        # One method's systems alive at a time: each LLM keeps dozens of executables loaded, and XLA:CPU's
+        # code memory ran out with all of them at once (LLVM "Cannot allocate memory", 2026-12-03).
+        t0 = time.perf_counter()
+        base = dict(METHODS[method])
+        llms = {"plain": plain, "adaptive": build(args, {**base, "num_speculative_tokens": args.k_max,
+                                                         "adaptive": True})}
+        for k in args.static_ks:
+            llms[f"K={k}"] = build(args, {**base, "num_speculative_tokens": k, "adaptive": False})
+        compile_s += time.perf_counter() - t0
+        logger.info("%s: built and compiled %d systems in %.0fs", method, len(llms) - 1, time.perf_counter() - t0)
+        names = list(llms)
+        for batch in args.batches:
+            for temperature in args.temperatures:
                 times = {name: [] for name in names}
                 metrics = {}
                 for name in names:  # untimed: first real steps
@@ -103,26 +105,26 @@ def main() -> None:
                     entry = {"median_s": med, "tok_s": tokens / med, "times": times[name]}
                     if name != "plain":
                         before, after = metrics[name]
-                        drafts = after["num_drafts"] - before["num_drafts"]
                         entry["acceptance_rate"] = (
                             (after["num_accepted_tokens"] - before["num_accepted_tokens"])
                             / max(1, after["num_draft_tokens"] - before["num_draft_tokens"]))
                         entry["spec_step_share"] = (after["num_spec_steps"] - before["num_spec_steps"]) / max(
                             1, after["num_steps"] - before["num_steps"])
-                        entry["num_drafts"] = drafts
+                        entry["num_drafts"] = after["num_drafts"] - before["num_drafts"]
                     row["systems"][name] = entry
                 plain_tok_s = row["systems"]["plain"]["tok_s"]
-                for name, entry in row["systems"].items():
+                for entry in row["systems"].values():
                     entry["speedup"] = entry["tok_s"] / plain_tok_s
                 static = {n: e["speedup"] for n, e in row["systems"].items() if n.startswith("K=")}
                 best = max(static, key=static.get)
                 row["best_static"] = best
                 row["adaptive_vs_best_static"] = row["systems"]["adaptive"]["speedup"] / static[best]
-                ad = systems[(method, "adaptive")].get_metrics()
-                row["adaptive_k_histogram_total"] = ad.get("k_histogram")
+                row["adaptive_k_histogram_total"] = llms["adaptive"].get_metrics().get("k_histogram")
                 logger.info("%s batch %d T=%.1f: adaptive %.2fx, best static %s %.2fx", method, batch, temperature,
                             row["systems"]["adaptive"]["speedup"], best, static[best])
                 results.append(row)
+        del llms
+        gc.collect()
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "args": {k: str(v) if isinstance(v, Path)
            else v for k, v in vars(args).items()}, "compile_s": compile_s, "results": results,
            "command": " ".join(["python"] + sys.argv)}
