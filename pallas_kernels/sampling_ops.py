@@ -96,7 +96,7 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array | None, top_p: jax.Arr
     if vocab <= TOP_CANDIDATES:
         threshold = full()
     else:
-        # The barrier keeps XLA:CPU from fusing top_k into its consumers (measured 20x slower fused).
+        # The barrier keeps XLA:CPU from fusing top_k into its consumers (measured 16x slower fused).
         candidates = jax.lax.optimization_barrier(jax.lax.top_k(logits, TOP_CANDIDATES)[0])  # [B, ..., C], descending
         threshold, closed = _top_k_top_p_sorted(logits, candidates, top_k, top_p)
         threshold = jax.lax.cond(jnp.all(closed), lambda: threshold, full)

@@ -18,8 +18,7 @@ import time
 import jax
 import numpy as np
 
-from models.llama import LlamaConfig, is_cpu_layout, to_cpu_layout
-from specjax.backends import use_cpu_weight_layout
+from models.llama import LlamaConfig, is_cpu_layout
 from specjax.buckets import CompiledBuckets
 from specjax.config import EngineConfig, SpeculativeConfig, bucket_for
 from specjax.kv_cache import KVCache
@@ -52,8 +51,7 @@ class StepRunner:
         self.engine_config = engine_config
         self.plan = plan
         self.proposer = proposer
-        if use_cpu_weight_layout(plan.mesh.devices.flat, plan.tp) and not is_cpu_layout(params):
-            params = to_cpu_layout(params, model_config)  # a copy: the caller's tree can be dropped
+        params = plan.layout(params, model_config)  # a copy when converted: the caller's tree can be dropped
         self.cpu_weight_layout = is_cpu_layout(params)
         """The target runs in ``models.llama.to_cpu_layout`` (chosen by ``specjax.backends``)."""
         target_shardings = plan.params(params, model_config)

@@ -38,9 +38,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from models.cpu_layout import is_cpu_layout, to_cpu_layout
 from models.llama import LlamaConfig
+from specjax.backends import use_cpu_weight_layout
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +151,13 @@ class ShardingPlan:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+    def layout(self, params: Any, config: LlamaConfig) -> Any:
+        """``params`` in the layout this plan runs them in: ``models.cpu_layout``'s when unsharded on CPU
+        devices (``specjax.backends.use_cpu_weight_layout``), else as given. Converting copies the weights."""
+        if use_cpu_weight_layout(self.mesh.devices.flat, self.tp) and not is_cpu_layout(params):
+            return to_cpu_layout(params, config)
+        return params
 
     def params(self, params: Any, config: LlamaConfig) -> Any:
         """NamedShardings for ``params`` (same pytree structure)."""

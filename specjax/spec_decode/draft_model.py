@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.llama import LlamaConfig, forward, is_cpu_layout, to_cpu_layout
+from models.llama import LlamaConfig, forward
 from models.loading import load_model
-from specjax.backends import use_cpu_weight_layout
 from specjax.builtin import resolve_model
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
 from specjax.parallel.sharding import ShardingPlan
@@ -174,7 +173,6 @@ def build(ctx: BuildContext) -> DraftModelProposer:
             f"{ctx.target_config.vocab_size}; a draft with its own tokenizer needs use_heterogeneous_vocab=True"
         )
     plan = ShardingPlan(mesh=ctx.mesh, tp=ctx.tensor_parallel_size if draft_tp is None else draft_tp)
-    if use_cpu_weight_layout(ctx.mesh.devices.flat, plan.tp) and not is_cpu_layout(params):
-        params = to_cpu_layout(params, config)  # the catch-up forward's few rows stream each weight once
+    params = plan.layout(params, config)  # on CPU: the catch-up forward's few rows stream each weight once
     return DraftModelProposer(config, params, plan=plan, vocab_map=vocab_map,
                               probabilistic=spec.draft_sample_method != "greedy" and vocab_map is None)
