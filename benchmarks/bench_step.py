@@ -19,6 +19,7 @@ c. Start-up of ``specjax generate --prompt "def parse_args(argv):"`` (the defaul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ def host_overhead(reps: int, new_tokens: int) -> dict:
 
     import specjax
     from specjax import buckets
+    from specjax.config import SpeculativeConfig
 
     inside = {"s": 0.0}
     real_get = buckets.CompiledBuckets.get
@@ -67,8 +69,10 @@ def host_overhead(reps: int, new_tokens: int) -> dict:
 
     buckets.CompiledBuckets.get = timed_get
     out = {}
-    configs = {"plain": None, "draft_model K=4": {"method": "draft_model", "model": "builtin:draft",
-                                                  "num_speculative_tokens": 4}}
+    fixed_k = {"method": "draft_model", "model": "builtin:draft", "num_speculative_tokens": 4}
+    if "adaptive" in {f.name for f in dataclasses.fields(SpeculativeConfig)}:
+        fixed_k["adaptive"] = False  # the same steps as the --before checkout, which has no controller
+    configs = {"plain": None, "draft_model K=4": fixed_k}
     for name, spec in configs.items():
         llm = specjax.LLM("builtin:target", speculative_config=spec, max_model_len=160, max_num_seqs=8, seed=0)
         engine = llm.engine

@@ -13,10 +13,11 @@ traced, i.e. at its first compile):
     auto: the V-tiled fused Pallas rejection kernel on TPU; the batched XLA path
     on GPU (until the device check shows the kernel faster there) and CPU.
 ``SPECJAX_WEIGHT_LAYOUT``  ``auto`` (default) | ``checkpoint`` | ``cpu``
-    auto: an unsharded model on CPU devices runs in ``models.llama.to_cpu_layout``
-    (fused, transposed weights that XLA:CPU streams once for a K+1-token verify,
-    issue 14); sharded models and other platforms keep the checkpoint layout.
-    ``cpu`` is ``auto`` that refuses where it does not apply; ``checkpoint`` never converts.
+    auto: an unsharded model of at least ``CPU_LAYOUT_MIN_BYTES`` of weights on CPU
+    devices runs in ``models.llama.to_cpu_layout`` (fused, transposed weights that
+    XLA:CPU streams once for a K+1-token verify, issue 14); smaller models, sharded
+    models and other platforms keep the checkpoint layout. ``cpu`` converts every
+    unsharded CPU model and refuses where it does not apply; ``checkpoint`` never converts.
 
 The engine, the sampler front end and the model never test the platform themselves.
 """
@@ -32,6 +33,11 @@ SAMPLER_ENV = "SPECJAX_SAMPLER_BACKEND"
 LAYOUT_ENV = "SPECJAX_WEIGHT_LAYOUT"
 CHOICES = ("auto", "xla", "pallas")
 LAYOUTS = ("auto", "checkpoint", "cpu")
+CPU_LAYOUT_MIN_BYTES = 256 << 20
+"""Smallest model (bytes of weights) ``auto`` converts. Measured side by side in the engine (2026-12-03,
+benchmarks/README.md): SmolLM2-135M (513 MiB) decodes faster in the derived layout, the shipped 7.5M target
+(29 MiB) 13-16% slower (plain and draft_model K=4), a 30M random Llama (116 MiB) the same; weights that
+stay in the last-level cache gain nothing from being streamed once."""
 
 # Attention implementations (specjax.attention dispatches on these names).
 XLA = "xla"
@@ -80,8 +86,9 @@ def sampler_kernel_platform() -> str:
     return "tpu" if platform() == "tpu" else "gpu"
 
 
-def use_cpu_weight_layout(devices, tp: int) -> bool:
-    """Whether a model placed on ``devices`` and split ``tp`` ways runs in the derived CPU weight layout."""
+def use_cpu_weight_layout(devices, tp: int, weight_bytes: int) -> bool:
+    """Whether a model of ``weight_bytes`` placed on ``devices`` and split ``tp`` ways runs in the derived CPU
+    weight layout."""
     value = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
     if value not in LAYOUTS:
         raise ValueError(f"{LAYOUT_ENV} must be one of {LAYOUTS}, got {value!r}")
@@ -89,7 +96,9 @@ def use_cpu_weight_layout(devices, tp: int) -> bool:
     if value == "cpu" and not applies:
         raise ValueError(f"{LAYOUT_ENV}=cpu needs an unsharded model on CPU devices, got tp={tp} on "
                          f"{sorted({d.platform for d in devices})}")
-    return value != "checkpoint" and applies
+    if value == "auto":
+        return applies and weight_bytes >= CPU_LAYOUT_MIN_BYTES
+    return value == "cpu"
 
 
 def describe() -> dict[str, str]:

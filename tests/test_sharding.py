@@ -133,7 +133,8 @@ def test_shardings_follow_the_plan(tp_run):
     # The draft gets the same plan: split with the target by default, whole on every device at draft tp 1.
     assert sh["tp2_dp1_draft_model"]["draft_q_proj"] == "(None, 'tp', None)"
     assert sh["tp2_dp1_draft_model"]["draft_kv_cache"] == "(None, 'tp', None)"
-    assert sh["tp2_dp1_draft_model_tp1"]["draft_q_proj"] == "cpu layout ()"  # one device's layout, replicated
+    # Whole on every device (a model this small keeps the checkpoint layout; specjax.backends.CPU_LAYOUT_MIN_BYTES).
+    assert sh["tp2_dp1_draft_model_tp1"]["draft_q_proj"] == "()"
     assert sh["tp2_dp1_draft_model_tp1"]["draft_kv_cache"] == "(None, None, None)"
 
 

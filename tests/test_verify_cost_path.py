@@ -213,22 +213,32 @@ def test_matmul_t_path_by_rows_and_contraction(m, k, streamed):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the layout choice for CPU devices")
 def test_engine_runs_the_cpu_layout_on_cpu_and_the_checkpoint_layout_when_asked(tmp_path, monkeypatch):
-    """On CPU (tp 1) the engine's target and draft model run in the derived layout, giving the same greedy
-    tokens as the checkpoint layout (SPECJAX_WEIGHT_LAYOUT=checkpoint); layout names are checked."""
+    """On CPU (tp 1) the engine's target and draft model run in the derived layout when asked
+    (SPECJAX_WEIGHT_LAYOUT=cpu), giving the same greedy tokens as the checkpoint layout; ``auto`` leaves a model
+    this small in the checkpoint layout; layout names are checked."""
     import specjax
+    from specjax.backends import CPU_LAYOUT_MIN_BYTES, use_cpu_weight_layout
+
+    cpus = jax.devices("cpu")[:1]
+    monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", "auto")
+    assert not use_cpu_weight_layout(cpus, 1, CPU_LAYOUT_MIN_BYTES - 1)
+    assert use_cpu_weight_layout(cpus, 1, CPU_LAYOUT_MIN_BYTES)
+    assert not use_cpu_weight_layout(cpus, 2, CPU_LAYOUT_MIN_BYTES)  # sharded: never
+    monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", "cpu")
+    assert use_cpu_weight_layout(cpus, 1, 1)
 
     d = make_tiny_checkpoint(tmp_path / "m", "llama", num_heads=4, num_kv_heads=2)
     spec = {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3, "adaptive": False}
     prompts = [{"prompt_token_ids": [1, 5, 9, 13, 2, 7]}, {"prompt_token_ids": [3, 4, 5, 6, 7, 8, 9]}]
     sp = specjax.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     runs = {}
-    for layout in ("auto", "checkpoint"):
+    for layout in ("cpu", "auto", "checkpoint"):
         monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", layout)
         llm = specjax.LLM(str(d), speculative_config=spec, max_model_len=64, max_num_seqs=2, warmup=False)
         target, (draft, _) = llm.runner.params
-        assert llm.runner.cpu_weight_layout == is_cpu_layout(target) == is_cpu_layout(draft) == (layout == "auto")
+        assert llm.runner.cpu_weight_layout == is_cpu_layout(target) == is_cpu_layout(draft) == (layout == "cpu")
         runs[layout] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert runs["auto"] == runs["checkpoint"]
+    assert runs["cpu"] == runs["auto"] == runs["checkpoint"]
     monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", "fused")
     with pytest.raises(ValueError, match="SPECJAX_WEIGHT_LAYOUT"):
         specjax.LLM(str(d), max_model_len=64, warmup=False)

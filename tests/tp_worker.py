@@ -77,7 +77,7 @@ def main(model_dir: str) -> None:
                 }
                 if name.startswith("draft_model"):
                     dl = proposer_params[0]["layers_0"]
-                    attn = dl["self_attn"]  # a replicated draft on CPU devices runs in the derived CPU layout
+                    attn = dl["self_attn"]  # a large replicated draft on CPU devices would run in the derived CPU layout
                     sh["draft_q_proj"] = (f"cpu layout {spec_str(attn['qkv_proj']['kernel_t'])}" if "qkv_proj" in attn
                                           else spec_str(attn["q_proj"]["kernel"]))
                     sh["draft_kv_cache"] = spec_str(llm.runner.state.proposer.kv.k[0])

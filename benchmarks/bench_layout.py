@@ -1,0 +1,99 @@
+"""Which weight layout decodes faster in the engine on CPU: the checkpoint layout or ``models.cpu_layout``'s.
+
+Sets ``SPECJAX_WEIGHT_LAYOUT`` to ``cpu`` and to ``checkpoint`` and builds the same system twice in one
+process; the two (and plain decoding where speculation is measured) generate the same prompts in interleaved
+rounds after an untimed run; medians of ``--reps`` rounds. Models: the shipped target (7.5M, 29 MiB; plain
+and draft_model K = 4 with the shipped draft, greedy), a random 30M Llama (116 MiB; plain) and SmolLM2-135M
+(513 MiB; plain). The threshold of ``SPECJAX_WEIGHT_LAYOUT=auto`` (``specjax.backends.CPU_LAYOUT_MIN_BYTES``)
+rests on these rows.
+
+    python benchmarks/bench_layout.py --out benchmarks/results/layout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+import specjax
+from bench_builtin import machine_info, token_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("bench_layout")
+
+
+def model_path(name: str) -> str:
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import make_tiny_checkpoint, smollm2_gguf
+
+    if name == "random30m":
+        return str(make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "m", vocab_size=8192, hidden_size=512,
+                                        intermediate_size=1536, num_layers=7, num_heads=8, num_kv_heads=4, seed=0))
+    if name == "smollm2":
+        return str(smollm2_gguf())
+    return name
+
+
+def run(name: str, spec: dict | None, new_tokens: int, reps: int) -> dict:
+    kw = dict(max_model_len=64 + new_tokens + 8, max_num_seqs=1, seed=0, query_buckets=(1, 64), max_prefill_chunk=64)
+    path = model_path(name)
+    llms = {}
+    for layout in ("cpu", "checkpoint"):
+        os.environ["SPECJAX_WEIGHT_LAYOUT"] = layout
+        llms[layout] = specjax.LLM(path, speculative_config=spec, **kw)
+        assert llms[layout].runner.cpu_weight_layout == (layout == "cpu")
+    os.environ.pop("SPECJAX_WEIGHT_LAYOUT")
+    tok = llms["cpu"].tokenizer
+    prompts = token_prompts(tok, 2, 64)
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    times = {k: [] for k in llms}
+    ids = {}
+    for llm in llms.values():  # untimed
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], params, use_tqdm=False)
+    for _ in range(reps):
+        for k, llm in llms.items():
+            start = time.perf_counter()
+            ids[k] = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+                      for p in prompts]
+            times[k].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    weights = llms["checkpoint"].runner.params[0]
+    row = {"model": name, "speculation": spec, "weight_mib": sum(x.nbytes for x in jax.tree.leaves(weights)) / 2**20,
+           "tok_s": {k: len(prompts) * new_tokens / v for k, v in med.items()},
+           "cpu_layout_time_ratio": med["cpu"] / med["checkpoint"], "same_tokens": ids["cpu"] == ids["checkpoint"],
+           "times": times}
+    logger.info("%s %s: cpu layout / checkpoint layout time %.3f", name, spec and spec["method"],
+                row["cpu_layout_time_ratio"])
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/layout.json"))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    draft = {"method": "draft_model", "model": "builtin:draft", "num_speculative_tokens": 4, "adaptive": False}
+    systems = [("builtin:target", None), ("builtin:target", draft), ("random30m", None), ("smollm2", None)]
+    rows = [run(name, spec, args.new_tokens, args.reps) for name, spec in systems]
+    out = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "command": " ".join(["python"] + sys.argv),
+           "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    for r in rows:
+        print(f"| {r['model']} | {r['speculation'] and r['speculation']['method'] or 'plain'} | "
+              f"{r['cpu_layout_time_ratio']:.3f} | {r['same_tokens']} |")
+
+
+if __name__ == "__main__":
+    main()
