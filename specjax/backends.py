@@ -34,10 +34,10 @@ LAYOUT_ENV = "SPECJAX_WEIGHT_LAYOUT"
 CHOICES = ("auto", "xla", "pallas")
 LAYOUTS = ("auto", "checkpoint", "cpu")
 CPU_LAYOUT_MIN_BYTES = 256 << 20
-"""Smallest model (bytes of weights) ``auto`` converts. Measured side by side in the engine (2026-12-03,
-benchmarks/README.md): SmolLM2-135M (513 MiB) decodes faster in the derived layout, the shipped 7.5M target
-(29 MiB) 13-16% slower (plain and draft_model K=4), a 30M random Llama (116 MiB) the same; weights that
-stay in the last-level cache gain nothing from being streamed once."""
+"""Smallest model (bytes of weights) ``auto`` converts. Measured side by side in the engine
+(benchmarks/bench_layout.py, 2026-12-03): greedy decoding of SmolLM2-135M (513 MiB) took 0.88x the time in the
+derived layout, the shipped 7.5M target (29 MiB) 1.10x (plain) and 1.04x (draft_model K=4), a random 30M
+Llama (116 MiB) 1.11x; weights that stay in the last-level cache gain nothing from being streamed once."""
 
 # Attention implementations (specjax.attention dispatches on these names).
 XLA = "xla"
