@@ -108,13 +108,16 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens,
         seed=args.request_seed, ignore_eos=args.ignore_eos,
     )
-    # The prompts are all known up front: compiling row buckets wider than their count would be wasted warmup.
+    # The prompts are all known up front: compiling row buckets wider than their count, or prefill lengths no
+    # prompt has, would be wasted warmup.
     llm = specjax.LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=min(args.max_num_seqs, len(prompts)), tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed, warmup=not args.no_warmup,
+        seed=args.seed, warmup=False,
         speculative_config=speculative_config_from_args(args, _builtin_spec() if args.model is None else None),
     )
+    if not args.no_warmup:
+        llm.warmup(prompts)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -189,8 +192,10 @@ def _time_plain(args: argparse.Namespace, spec_llm, prompts: list, params, spec_
     plain = specjax.LLM(
         spec_llm.model_path, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=spec_llm.engine_config.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed, warmup=not args.no_warmup,
+        seed=args.seed, warmup=False,
     )
+    if not args.no_warmup:
+        plain.warmup(prompts)
     start = time.perf_counter()
     outputs = plain.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -241,21 +242,30 @@ class Engine:
     def _decode_length(self) -> int:
         return self.config.length_buckets[0]
 
-    def buckets(self) -> list[tuple[Bucket, bool]]:
+    def buckets(self, prompt_lengths: Sequence[int] | None = None) -> list[tuple[Bucket, bool]]:
         """Every (bucket, detached) a step can take: plain steps at each query length, drafting steps at each
-        K, and (with an adaptive controller over a proposer with device state) detached plain decoding steps."""
+        K, and (with an adaptive controller over a proposer with device state) detached plain decoding steps.
+
+        ``prompt_lengths``: only the query lengths that prompts of these lengths prefill in when each gets whole
+        chunks (a step that splits them otherwise compiles its bucket on first use)."""
         cfg = self.config
         rows, decode = cfg.row_buckets, self._decode_length
-        out = [((r, t, 0), False) for r in rows for t in cfg.length_buckets]
+        lengths = cfg.length_buckets
+        if prompt_lengths is not None:
+            chunk = cfg.prefill_chunk
+            needed = {decode} | {n for length in prompt_lengths for n in (min(length, chunk), length % chunk) if n}
+            lengths = tuple(t for t in lengths if t in {bucket_for(n, lengths, "query length") for n in needed})
+        out = [((r, t, 0), False) for r in rows for t in lengths]
         out += [((r, decode, k), False) for r in rows for k in range(1, self.k_max + 1)
                 if self.controller is not None or k <= max(self.k_table)]
         if self.controller is not None and self.proposer.syncs:
             out += [((r, decode, 0), True) for r in rows]
         return out
 
-    def warmup(self, *, progress: bool = True) -> None:
-        """Compile every bucket; with a controller, also time each decoding step kind (its cost model)."""
-        buckets = self.buckets()
+    def warmup(self, *, progress: bool = True, prompt_lengths: Sequence[int] | None = None) -> None:
+        """Compile every bucket (see :meth:`buckets`); with a controller, also time each decoding step kind
+        (its cost model)."""
+        buckets = self.buckets(prompt_lengths)
         self.runner.warmup(buckets, progress=progress)
         if self.controller is not None:
             for (rows, length, k), detached in buckets:

@@ -305,9 +305,14 @@ class LLM:
             out.prompt = self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
         return outputs
 
-    def warmup(self) -> None:
-        """Compile every bucket now (``LLM(warmup=True)`` already did)."""
-        self.engine.warmup()
+    def warmup(self, prompts: Sequence | None = None) -> None:
+        """Compile every bucket now (``LLM(warmup=True)`` already did).
+
+        ``prompts`` (as :meth:`generate` takes them): compile only the prefill lengths these prompts need, for a
+        caller that knows its whole workload (``specjax generate``); other lengths compile on first use.
+        """
+        lengths = None if prompts is None else [len(self.validate_prompt(p)) for p in prompts]
+        self.engine.warmup(prompt_lengths=lengths)
 
     @property
     def num_compiles(self) -> int:

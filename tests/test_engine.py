@@ -223,3 +223,21 @@ def test_validate_prompt_is_the_check_generate_applies(llm):
         llm.validate_prompt({"prompt_token_ids": [5, 128]}, field="body.prompt", name_keys=False)
     with pytest.raises(ValueError, match="more than max_model_len"):
         llm.validate_prompt({"prompt_token_ids": list(range(4, 70))})
+
+
+def test_warmup_for_known_prompts_compiles_only_their_prefill_lengths(llama_dir):
+    """``LLM.warmup(prompts)`` (what ``specjax generate`` runs) compiles decoding plus the query lengths these
+    prompts prefill in, and generating them then compiles nothing."""
+    llm = specjax.LLM(llama_dir, warmup=False, max_model_len=128, max_num_seqs=1, max_prefill_chunk=16)
+    assert llm.engine_config.length_buckets == (1, 4, 16)
+    # 7 tokens prefill in one step of 7 (bucket 16); 3 in bucket 4; 33 in 16 + 16 + 1 (buckets 16 and 1).
+    assert sorted(t for (_, t, _), _ in llm.engine.buckets([7])) == [1, 16]
+    assert sorted(t for (_, t, _), _ in llm.engine.buckets([3, 33])) == [1, 4, 16]
+    assert sorted(t for (_, t, _), _ in llm.engine.buckets([33])) == [1, 16]
+    assert sorted(t for (_, t, _), _ in llm.engine.buckets(None)) == [1, 4, 16]
+    prompts = _prompts(3, [7])
+    llm.warmup(prompts)
+    assert llm.num_compiles == 2
+    with count_compiles() as counter:
+        llm.generate(prompts, specjax.SamplingParams(temperature=0.0, max_tokens=6))
+    assert counter.count == 0 and llm.num_compiles == 2
