@@ -311,7 +311,8 @@ class LLM:
         ``prompts`` (as :meth:`generate` takes them): compile only the prefill lengths these prompts need, for a
         caller that knows its whole workload (``specjax generate``); other lengths compile on first use.
         """
-        lengths = None if prompts is None else [len(self.validate_prompt(p)) for p in prompts]
+        lengths = None if prompts is None else [len(self.validate_prompt(p, field=f"prompts[{i}]"))
+                                                for i, p in enumerate(prompts)]
         self.engine.warmup(prompt_lengths=lengths)
 
     @property

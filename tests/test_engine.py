@@ -241,3 +241,5 @@ def test_warmup_for_known_prompts_compiles_only_their_prefill_lengths(llama_dir)
     with count_compiles() as counter:
         llm.generate(prompts, specjax.SamplingParams(temperature=0.0, max_tokens=6))
     assert counter.count == 0 and llm.num_compiles == 2
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        llm.warmup([prompts[0], {"prompt_token_ids": [10**9]}])

@@ -134,7 +134,7 @@ def test_shardings_follow_the_plan(tp_run):
     assert sh["tp2_dp1_draft_model"]["draft_q_proj"] == "(None, 'tp', None)"
     assert sh["tp2_dp1_draft_model"]["draft_kv_cache"] == "(None, 'tp', None)"
     # Whole on every device (a model this small keeps the checkpoint layout; specjax.backends.CPU_LAYOUT_MIN_BYTES).
-    assert sh["tp2_dp1_draft_model_tp1"]["draft_q_proj"] == "()"
+    assert sh["tp2_dp1_draft_model_tp1"]["draft_q_proj"] == "(None, None, None)"
     assert sh["tp2_dp1_draft_model_tp1"]["draft_kv_cache"] == "(None, None, None)"
 
 
