@@ -254,7 +254,8 @@ class Engine:
         if prompt_lengths is not None:
             chunk = cfg.prefill_chunk
             needed = {decode} | {n for length in prompt_lengths for n in (min(length, chunk), length % chunk) if n}
-            lengths = tuple(t for t in lengths if t in {bucket_for(n, lengths, "query length") for n in needed})
+            used = {bucket_for(n, lengths, "query length") for n in needed}
+            lengths = tuple(t for t in lengths if t in used)
         out = [((r, t, 0), False) for r in rows for t in lengths]
         out += [((r, decode, k), False) for r in rows for k in range(1, self.k_max + 1)
                 if self.controller is not None or k <= max(self.k_table)]

@@ -156,7 +156,7 @@ class ShardingPlan:
         """``params`` in the layout this plan runs them in: ``models.cpu_layout``'s when unsharded on CPU
         devices and large enough (``specjax.backends.use_cpu_weight_layout``), else as given. Converting copies
         the weights."""
-        nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+        nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
         if use_cpu_weight_layout(self.mesh.devices.flat, self.tp, nbytes) and not is_cpu_layout(params):
             return to_cpu_layout(params, config)
         return params
