@@ -119,8 +119,9 @@ def _ids(outs):
 
 
 def _spec(draft, k=3, **kw):
+    # Fixed K unless a test says otherwise: acceptance is asserted, and the adaptive controller may decode plainly.
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k, "use_heterogeneous_vocab": True,
-            **kw}
+            "adaptive": False, **kw}
 
 
 # --------------------------------------------------------------------------- the maps

@@ -98,7 +98,11 @@ def test_default_generate_runs_from_installed_wheel(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip(), "no completion text printed"
-    assert "acceptance rate" in proc.stderr and "mean acceptance length" in proc.stderr, proc.stderr[-4000:]
-    assert "speculative draft_model" in proc.stderr, proc.stderr[-4000:]
+    # The adaptive controller decides on measured timings whether drafting pays on this machine, so the report
+    # gives acceptance or says that nothing was drafted; either way it is the speculation report.
+    assert "speculative draft_model: " in proc.stderr, proc.stderr[-4000:]
+    report = proc.stderr.split("speculative draft_model: ", 1)[1]
+    assert ("acceptance rate" in report and "mean acceptance length" in report) != (
+        "nothing was drafted" in report), proc.stderr[-4000:]
     assert "speculative speedup" in proc.stderr, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
