@@ -269,9 +269,13 @@ class Engine:
         buckets = self.buckets(prompt_lengths)
         self.runner.warmup(buckets, progress=progress)
         if self.controller is not None:
-            for (rows, length, k), detached in buckets:
-                if length == self._decode_length:
-                    self.controller.costs.observe((rows, k, detached), self.runner.time_step((rows, length, k), detached))
+            # Rounds over all kinds rather than repeats of one: a slow spell of the machine then lands on one
+            # measurement of several kinds, not on all of one kind's (the cost is their median).
+            decoding = [(b, d) for b, d in buckets if b[1] == self._decode_length]
+            for _ in range(3):
+                for (rows, length, k), detached in decoding:
+                    self.controller.costs.observe((rows, k, detached),
+                                                  self.runner.time_step((rows, length, k), detached, repeats=1))
 
     # ------------------------------------------------------------------ requests
 
@@ -307,17 +311,27 @@ class Engine:
             for r in rows
         ], np.int32).clip(0)
         can_draft = table.synced[slots] & (table.has_drafts[slots] if self.proposer.drafts_ahead else True)
+        if self.controller is not None and self.proposer.syncs and not table.synced[slots].any():
+            # Every row's proposer state is stale (they missed detached steps): plain steps from here on,
+            # with no host work for a choice that has none.
+            self.controller.count_step(0, detached=True)
+            return 0, np.zeros(n, np.int32), None, True
         limits = np.where(can_draft, limits, 0).astype(np.int32)
+        ids = [r.request.request_id for r in rows]
+        wanted = None
+        if self.controller is not None:
+            wanted = self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits,
+                                              can_draft)
+            limits = wanted.caps.astype(np.int32)  # rows not worth drafting are not even looked up
         host_drafts = None
         if self.proposer.host_side and k:
-            host_drafts = self.proposer.propose_host([r.request.request_id for r in rows],
-                                                     [table.history(s) for s in slots], limits.tolist())
+            host_drafts = (self.proposer.propose_host(ids, [table.history(s) for s in slots], limits.tolist())
+                           if limits.any() else [np.zeros(0, np.int32)] * n)
             limits = np.asarray([len(d) for d in host_drafts], np.int32)
         if self.controller is None:  # a static K: the step verifies K drafts whenever any row has one
             return (k if limits.any() else 0), limits, host_drafts, False
-        plan = self.controller.decide(
-            bucket_for(n, self.config.row_buckets, "num_seqs"), [r.request.request_id for r in rows],
-            [r.request.params.temperature > 0 for r in rows], limits, can_draft)
+        plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
+                                      found=limits if host_drafts is not None else None, can_draft=can_draft)
         return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
 
     def step(self) -> list[Request]:

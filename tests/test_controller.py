@@ -18,6 +18,11 @@ def _controller(costs: dict, *, can_detach=False, **cfg) -> SpeculationControlle
     return c
 
 
+def _decide(c: SpeculationController, rows: int, ids: list[str], sampled: list[bool], limits, can_draft):
+    return c.decide(rows, c.row_caps(ids, sampled, np.asarray(limits), np.asarray(can_draft)),
+                    can_draft=np.asarray(can_draft))
+
+
 def _teach(c: SpeculationController, request_id: str, rate: float, n: int = 400, sampled: bool = False) -> None:
     """Feed ``n`` verifications of K drafts with per-position acceptance ``rate`` (deterministic pattern)."""
     rng = np.random.default_rng(0)
@@ -39,7 +44,7 @@ def test_expected_accepted_is_the_sum_of_prefix_products():
 def test_chooses_the_maximum_when_every_draft_is_accepted():
     c = _controller(FLAT)
     _teach(c, "a", 1.0)
-    d = c.decide(1, ["a"], [False], np.asarray([K]), np.asarray([True]))
+    d = _decide(c, 1, ["a"], [False], [K], [True])
     assert d.k == K and d.caps.tolist() == [K] and not d.detached
 
 
@@ -48,7 +53,7 @@ def test_chooses_plain_when_verify_costs_more_than_drafts_gain():
     costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0, (1, 0, True): 1.0}
     c = _controller(costs)
     _teach(c, "a", 0.3)
-    d = c.decide(1, ["a"], [False], np.asarray([K]), np.asarray([True]))
+    d = _decide(c, 1, ["a"], [False], [K], [True])
     assert d.k == 0 and d.caps.tolist() == [0]
 
 
@@ -56,7 +61,7 @@ def test_caps_a_row_whose_drafts_always_fail_while_others_speculate():
     c = _controller({(2, k, False): 1.0 + 0.05 * k for k in range(K + 1)})
     _teach(c, "good", 0.9)
     _teach(c, "bad", 0.0)
-    d = c.decide(2, ["good", "bad"], [False, False], np.asarray([K, K]), np.asarray([True, True]))
+    d = _decide(c, 2, ["good", "bad"], [False, False], [K, K], [True, True])
     assert d.k >= 2 and d.caps[0] == d.k and d.caps[1] == 0
 
 
@@ -72,24 +77,51 @@ def test_detaches_only_after_plain_won_several_steps_in_a_row():
     costs = {(1, k, False): 2.0 for k in range(K + 1)} | {(1, 0, True): 1.0}  # attached steps cost 2x
     c = _controller(costs, can_detach=True, detach_after=3)
     _teach(c, "a", 0.1)
-    plans = [c.decide(1, ["a"], [False], np.asarray([K]), np.asarray([True])) for _ in range(4)]
+    plans = [_decide(c, 1, ["a"], [False], [K], [True]) for _ in range(4)]
     assert [p.detached for p in plans] == [False, False, True, True]
     # A row whose proposer state is already stale loses nothing by detaching: at once.
     c2 = _controller(costs, can_detach=True, detach_after=3)
-    assert c2.decide(1, ["a"], [False], np.asarray([0]), np.asarray([False])).detached
+    assert _decide(c2, 1, ["a"], [False], [0], [False]).detached
 
 
 def test_probe_after_idle_steps():
     costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
     c = _controller(costs, probe_every=5)
     _teach(c, "a", 0.05)
-    ks = [c.decide(1, ["a"], [False], np.asarray([K]), np.asarray([True])).k for _ in range(6)]
+    ks = [_decide(c, 1, ["a"], [False], [K], [True]).k for _ in range(6)]
     assert ks[:5] == [0] * 5 and ks[5] == 1
 
 
+def test_probe_waits_double_after_each_probe_of_a_request():
+    costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
+    c = _controller(costs, probe_every=4)
+    _teach(c, "a", 0.05)
+    ks = [_decide(c, 1, ["a"], [False], [K], [True]).k for _ in range(4 + 1 + 8 + 1 + 16 + 1)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert probes == [4, 4 + 1 + 8, 4 + 1 + 8 + 1 + 16]
+
+
+def test_one_slow_step_does_not_move_a_cost():
+    c = _controller({})
+    for seconds in (1.0, 1.1, 0.9, 30.0, 1.0):  # a GC pause or another process in the middle
+        c.costs.observe((1, 0, True), seconds)
+    assert c.costs.get((1, 0, True)) == 1.0
+    for _ in range(8):  # a lasting change is followed
+        c.costs.observe((1, 0, True), 3.0)
+    assert c.costs.get((1, 0, True)) == 3.0
+
+
+def test_a_kind_is_never_estimated_above_one_that_does_more_work():
+    # Detached plain measured badly once (5.0) and never chosen again; attached K=0 and K=2 measured cheaper.
+    c = _controller({(1, 0, True): 5.0, (1, 0, False): 2.0, (1, 1, False): 4.0, (1, 2, False): 3.0})
+    assert c.costs.estimate(1, 0, True) == 2.0
+    assert c.costs.estimate(1, 1, False) == 3.0
+    assert c.costs.estimate(1, 2, False) == 3.0 and c.costs.estimate(1, 0, False) == 2.0
+
+
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="cost_ema"):
-        ControllerConfig(cost_ema=0.0)
+    with pytest.raises(ValueError, match="cost_window"):
+        ControllerConfig(cost_window=0)
     with pytest.raises(ValueError, match="detach_after"):
         ControllerConfig(detach_after=-1)
     with pytest.raises(ValueError, match="adaptive"):
@@ -130,9 +162,10 @@ def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(
     llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3}, **KW)
     warm = llm.num_compiles
     # Make drafting look cheap for two row buckets and dear for the others, so the chosen K changes.
-    for (rows, k, detached) in list(llm.engine.controller.costs.seconds):
-        llm.engine.controller.costs.seconds[(rows, k, detached)] = 1.0 + (0.01 if rows <= 2 else 5.0) * k
-    llm.engine.controller.costs.ema = 1e-9  # keep the table fixed during the test
+    costs = llm.engine.controller.costs
+    for (rows, k, detached) in list(costs.seconds):
+        costs.set((rows, k, detached), 1.0 + (0.01 if rows <= 2 else 5.0) * k)
+    costs.frozen = True  # keep the table fixed during the test
     loads = []
     for i, lengths in enumerate([[5], [9, 30], [3, 17, 41, 8], [12, 2, 6]]):
         prompts = _prompts(10 + i, lengths)
@@ -152,11 +185,11 @@ def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(targ
     llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
                       warmup=False, **KW)
     c = llm.engine.controller
-    c.costs.ema = 1e-9
     for rows in (1, 2, 4):  # drafting and attached plain steps are dear, detached ones cheap
         for k in range(3):
-            c.costs.observe((rows, k, False), 10.0)
-        c.costs.observe((rows, 0, True), 1.0)
+            c.costs.set((rows, k, False), 10.0)
+        c.costs.set((rows, 0, True), 1.0)
+    c.costs.frozen = True
     prompts = _prompts(3, [6, 11])
     params = specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \

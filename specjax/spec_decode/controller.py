@@ -15,19 +15,28 @@ It maximizes expected committed tokens per second,
 ``E[accepted | c] = sum_{j<=c} prod_{i<=j} alpha_i`` with per-position
 conditional acceptance ``alpha_i`` estimated per request (a Beta-style mean with
 the method's running average as prior, kept apart for greedy and sampled
-requests), and ``cost`` is the wall time of that step kind: measured once per
-bucket when warmup runs it, then an exponential moving average of measured
-steps. A row's cap stops where one more draft adds less than ``min_gain``
-expected tokens, so a request whose drafts keep failing stops drafting while
-others go on; when no row would draft, the step is plain. Rows that have not
-speculated for ``probe_every`` decoding steps get a one-draft probe so their
-estimate can recover (a step that would be plain drafts one token for them).
+requests), and ``cost`` is the wall time of that step kind: measured when
+warmup runs it, then the median of its recent measured steps (one slow step, a
+GC pause or another process, moves nothing). A kind is never estimated above a
+kind that does more work (detached plain <= attached K=0 <= K=1 <= ...): a kind
+that is never chosen is never re-measured, and without that envelope one bad
+measurement of a cheap kind would rule it out for good.
+
+A row's cap stops where one more draft adds less than ``min_gain`` expected
+tokens, so a request whose drafts keep failing stops drafting while others go
+on; when no row would draft, the step is plain, and host proposers are not even
+asked (:meth:`SpeculationController.row_caps` comes before the lookup). A row
+that has not drafted for ``probe_every`` decoding steps gets a one-draft probe so
+its estimate can recover; each probe doubles that request's wait for the next, so
+a request whose drafts keep failing costs ever fewer probe steps.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import statistics
 
 import numpy as np
 
@@ -42,26 +51,25 @@ class ControllerConfig:
     """Per-position conditional acceptance assumed before any draft of the method was verified."""
     min_gain: float = 0.02
     """A row drafts position j only while it adds at least this many expected tokens."""
-    cost_ema: float = 0.2
-    """Weight of a new measurement in a step kind's cost estimate."""
-    detach_after: int = 8
+    cost_window: int = 8
+    """A step kind's cost is the median of its last this-many measurements."""
+    detach_after: int = 3
     """Consecutive decoding steps a detached plain step must win before the controller detaches."""
     probe_every: int = 32
-    """A row that has not drafted for this many decoding steps drafts one token (0 = never probe)."""
+    """A row that has not drafted for this many decoding steps drafts one token (0 = never probe); the wait
+    doubles after each probe of the same request."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_strength", "min_gain", "cost_ema"):
+        for name in ("prior_strength", "min_gain"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if not (0.0 < self.cost_ema <= 1.0):
-            raise ValueError(f"cost_ema must be in (0, 1], got {self.cost_ema!r}")
         if not (0.0 <= self.initial_acceptance <= 1.0):
             raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
-        for name in ("detach_after", "probe_every"):
+        for name, low in (("cost_window", 1), ("detach_after", 0), ("probe_every", 0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
 
 
 class AcceptanceStats:
@@ -78,30 +86,66 @@ class AcceptanceStats:
         self.accepted[:num_accepted] += 1
 
 
-class CostModel:
-    """Wall time per step kind ``(rows bucket, K, detached)``: warmup measurements, then an EMA of real steps."""
+def _more_work(a: tuple[int, bool], b: tuple[int, bool]) -> bool:
+    """Step kind ``b`` = (K, detached) does strictly more work than ``a``: detached plain < attached K=0 < K=1..."""
+    return (b[1], -b[0]) < (a[1], -a[0])
 
-    def __init__(self, ema: float):
-        self.ema = ema
+
+class CostModel:
+    """Wall time per step kind ``(rows bucket, K, detached)``: the median of its recent measurements (warmup's
+    first), capped by the cost of any kind of the same bucket that does more work."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.frozen = False
+        """Ignore new measurements (tests pin a table with :meth:`set`)."""
         self.seconds: dict[tuple, float] = {}
+        """The median of each kind's recent measurements."""
+        self._recent: dict[tuple, collections.deque] = {}
 
     def observe(self, key: tuple, seconds: float) -> None:
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        if self.frozen:
+            return
+        recent = self._recent.setdefault(key, collections.deque(maxlen=self.window))
+        recent.append(seconds)
+        self.seconds[key] = statistics.median(recent)
+
+    def set(self, key: tuple, seconds: float) -> None:
+        """Replace a kind's measurements by one value."""
+        self._recent[key] = collections.deque([seconds], maxlen=self.window)
+        self.seconds[key] = seconds
 
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
 
     def estimate(self, rows: int, k: int, detached: bool) -> float:
-        """The measured cost, or a conservative guess from the nearest measured kinds when unmeasured."""
+        """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
+        bucket that does more work."""
         got = self.seconds.get((rows, k, detached))
-        if got is not None:
-            return got
-        base = self.seconds.get((rows, 0, True)) or self.seconds.get((rows, 0, False))
-        if base is None:
-            return 1.0 + 0.25 * k  # nothing measured for this row bucket yet: unit costs, K costs extra
-        # Unmeasured drafting steps are assumed expensive (a verify over K+1 tokens plus drafting).
-        return base * (1.0 + 0.25 * k) if not detached else base
+        if got is None:
+            base = self.seconds.get((rows, 0, True)) or self.seconds.get((rows, 0, False))
+            if base is None:
+                got = 1.0 + 0.25 * k  # nothing measured for this row bucket yet: unit costs, K costs extra
+            else:  # an unmeasured drafting step is assumed expensive (a verify over K+1 tokens plus drafting)
+                got = base * (1.0 + 0.25 * k) if not detached else base
+        kind = (k, detached)
+        for (r, kk, dd), seconds in self.seconds.items():
+            if r == rows and seconds < got and _more_work(kind, (kk, dd)):
+                got = seconds
+        return got
+
+
+@dataclasses.dataclass
+class RowCaps:
+    """Per row of a decoding step: how far its drafts are worth verifying (before any drafts are looked up)."""
+
+    request_ids: list[str]
+    reach: np.ndarray
+    """float64 [R, K_max]: estimated P(draft j accepted), the expected gain of drafting position j."""
+    caps: np.ndarray
+    """int64 [R]: drafts worth verifying (a probe counts one), within the row's limit."""
+    probing: np.ndarray
+    """bool [R]: the row drafts only to re-test its estimate."""
 
 
 @dataclasses.dataclass
@@ -123,10 +167,11 @@ class SpeculationController:
         self.k_max = k_max
         self.config = config
         self.can_detach = can_detach
-        self.costs = CostModel(config.cost_ema)
+        self.costs = CostModel(config.cost_window)
         self.method_stats = {False: AcceptanceStats(k_max), True: AcceptanceStats(k_max)}  # sampled -> stats
         self._request_stats: dict[str, AcceptanceStats] = {}
         self._idle_steps: dict[str, int] = {}
+        self._probe_wait: dict[str, int] = {}
         self._detach_votes = 0
         self.k_histogram = np.zeros(k_max + 1, np.int64)
         self.num_detached_steps = 0
@@ -150,8 +195,9 @@ class SpeculationController:
 
     @staticmethod
     def expected_accepted(alpha: np.ndarray) -> np.ndarray:
-        """[K_max + 1]: E[accepted | cap c] for c = 0..K_max given conditional rates ``alpha``."""
-        return np.concatenate([[0.0], np.cumsum(np.cumprod(alpha))])
+        """[..., K_max + 1]: E[accepted | cap c] for c = 0..K_max given conditional rates ``alpha`` [..., K_max]."""
+        reach = np.cumprod(np.asarray(alpha, np.float64), axis=-1)
+        return np.concatenate([np.zeros(reach.shape[:-1] + (1,)), np.cumsum(reach, axis=-1)], axis=-1)
 
     def observe(self, request_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
         if num_drafts <= 0:
@@ -162,56 +208,86 @@ class SpeculationController:
     def finish(self, request_id: str) -> None:
         self._request_stats.pop(request_id, None)
         self._idle_steps.pop(request_id, None)
+        self._probe_wait.pop(request_id, None)
 
     # ------------------------------------------------------------------ the choice
 
-    def decide(self, rows: int, request_ids: list[str], sampled: list[bool], limits: np.ndarray,
-               can_draft: np.ndarray) -> Decision:
-        """Plan a decoding step of ``rows`` (its row bucket) with one entry per request.
+    def row_caps(self, request_ids: list[str], sampled: list[bool], limits: np.ndarray,
+                 can_draft: np.ndarray) -> RowCaps:
+        """Each row's worthwhile drafts from its acceptance estimate alone (no costs, no drafts needed).
 
-        ``limits`` int [R]: the most drafts each row can commit (max_tokens / max_model_len) and, for host
-        proposers, how many drafts were found; ``can_draft`` bool [R]: the row's proposer state is current.
+        ``limits`` int [R]: the most drafts each row can commit (max_tokens / max_model_len); ``can_draft``
+        bool [R]: the row's proposer state is current.
+        """
+        cfg, m = self.config, self.config.prior_strength
+        n = len(request_ids)
+        priors = {False: self._prior(False), True: self._prior(True)}
+        accepted = np.zeros((n, self.k_max))  # [R, K_max]
+        tried = np.zeros((n, self.k_max))  # [R, K_max]
+        prior = np.empty((n, self.k_max))  # [R, K_max]
+        idle = np.zeros(n, np.int64)
+        wait = np.full(n, cfg.probe_every, np.int64)
+        for i, (rid, smp) in enumerate(zip(request_ids, sampled)):
+            prior[i] = priors[bool(smp)]
+            s = self._request_stats.get(rid)
+            if s is not None:
+                accepted[i], tried[i] = s.accepted, s.tried
+            idle[i] = self._idle_steps.get(rid, 0)
+            wait[i] = self._probe_wait.get(rid, cfg.probe_every)
+        reach = np.cumprod((accepted + m * prior) / (tried + m), axis=1)  # [R, K_max]
+        useful = np.sum(np.cumprod(reach >= cfg.min_gain, axis=1), axis=1)  # [R]: positions worth drafting
+        limits = np.minimum(np.asarray(limits, np.int64), self.k_max) * np.asarray(can_draft, bool)
+        probing = (cfg.probe_every > 0) & (limits > 0) & (idle >= wait)
+        caps = np.minimum(np.maximum(useful, probing), limits)
+        return RowCaps(request_ids=list(request_ids), reach=reach, caps=caps, probing=probing)
+
+    def decide(self, rows: int, plan: RowCaps, found: np.ndarray | None = None,
+               can_draft: np.ndarray | None = None) -> Decision:
+        """Plan a decoding step of ``rows`` (its row bucket) from :meth:`row_caps`.
+
+        ``found`` int [R]: for host proposers, how many drafts the lookup found (caps shrink to it);
+        ``can_draft`` bool [R]: the rows' proposer state is current (default: all).
         """
         cfg = self.config
-        n = len(request_ids)
-        limits = np.minimum(np.asarray(limits, np.int64), self.k_max) * np.asarray(can_draft, bool)
-        gains = np.zeros((n, self.k_max + 1))  # [R, K_max + 1]: expected accepted drafts at each K
-        caps_at = np.zeros((n, self.k_max + 1), np.int64)
-        probing = np.zeros(n, bool)
-        for i, (rid, smp) in enumerate(zip(request_ids, sampled)):
-            alpha = self.conditional_acceptance(rid, smp)
-            reach = np.cumprod(alpha)  # [K_max]: P(draft j accepted) = expected gain of position j
-            useful = int(np.sum(np.cumprod(reach >= cfg.min_gain)))  # positions worth drafting
-            probing[i] = bool(cfg.probe_every and limits[i] and self._idle_steps.get(rid, 0) >= cfg.probe_every)
-            cap_row = min(max(useful, int(probing[i])), int(limits[i]))
-            exp = self.expected_accepted(alpha)
-            for k in range(self.k_max + 1):
-                caps_at[i, k] = min(k, cap_row)
-                gains[i, k] = exp[caps_at[i, k]]
+        n = len(plan.request_ids)
+        cap_row = plan.caps if found is None else np.minimum(plan.caps, np.asarray(found, np.int64))
+        exp = np.concatenate([np.zeros((n, 1)), np.cumsum(plan.reach, axis=1)], axis=1)  # [R, K_max + 1]
+        caps_at = np.minimum(np.arange(self.k_max + 1)[None, :], cap_row[:, None])  # [R, K_max + 1]
+        gains = np.take_along_axis(exp, caps_at, axis=1).sum(axis=0)  # [K_max + 1]
+        drafting = caps_at.any(axis=0)  # [K_max + 1]
         best_k, best_rate = 0, -1.0
         for k in range(self.k_max + 1):
-            if k and not caps_at[:, k].any():
+            if k and not drafting[k]:
                 continue
-            rate = (n + gains[:, k].sum()) / self.costs.estimate(rows, k, False)
+            rate = (n + gains[k]) / self.costs.estimate(rows, k, False)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         detached = False
         if self.can_detach:
-            plain_rate = n / self.costs.estimate(rows, 0, True)
-            if plain_rate > best_rate:
+            if n / self.costs.estimate(rows, 0, True) > best_rate:
                 self._detach_votes += 1
-                detached = self._detach_votes >= cfg.detach_after or not np.any(can_draft)
+                stale = can_draft is not None and not np.any(can_draft)
+                detached = self._detach_votes >= cfg.detach_after or stale
             else:
                 self._detach_votes = 0
         k = 0 if detached else best_k
-        if k == 0 and not detached and probing.any():
+        if k == 0 and not detached and (plan.probing & (cap_row > 0)).any():
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
         caps = caps_at[:, k].astype(np.int32) if k else np.zeros(n, np.int32)
-        for rid, c in zip(request_ids, caps):
-            self._idle_steps[rid] = 0 if c else self._idle_steps.get(rid, 0) + 1
+        for rid, c, probe in zip(plan.request_ids, caps, plan.probing):
+            if c:
+                self._idle_steps[rid] = 0
+                wait = self._probe_wait.get(rid, cfg.probe_every)
+                self._probe_wait[rid] = 2 * wait if probe else cfg.probe_every
+            else:
+                self._idle_steps[rid] = self._idle_steps.get(rid, 0) + 1
+        self.count_step(k, detached)
+        return Decision(k=k, caps=caps, detached=detached)
+
+    def count_step(self, k: int, detached: bool) -> None:
+        """Count a decoding step's K (also for steps planned without :meth:`decide`)."""
         self.k_histogram[k] += 1
         self.num_detached_steps += int(detached)
-        return Decision(k=k, caps=caps, detached=detached)
 
     def as_dict(self) -> dict:
         """Metrics: how often each K was chosen for a decoding step, and the share of plain ones."""
