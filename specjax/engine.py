@@ -77,8 +77,6 @@ class StepRunner:
                  if spec is not None and method == "synthetic" else None)
         self.spec = StepSpec(config=model_config, proposer=proposer, method=method, rates=rates,
                              use_kernel=default_use_kernel())
-        # Detached plain steps: the target alone; the proposer's state passes through untouched.
-        self.plain_spec = dataclasses.replace(self.spec, proposer=Proposer())
         rows = plan.rows
 
         def compiled(name: str, spec: StepSpec) -> CompiledBuckets:
@@ -88,7 +86,6 @@ class StepRunner:
             return CompiledBuckets(name, jitted, self._example_args)
 
         self.executables = compiled("decode_step", self.spec)
-        self.detached = compiled("plain_step", self.plain_spec)
         self._host_batches: dict[Bucket, StepBatch] = {}
         self.compiled_last_run = False
         """The last :meth:`run` compiled its executable first (its wall time is not a step's cost)."""
@@ -96,14 +93,12 @@ class StepRunner:
         self.phase_seconds = {"draft": 0.0, "verify": 0.0, "sample": 0.0}
         """Time per phase (``profile=True`` only): draft = propose + after-verify update."""
         if profile:
+            spec = self.spec
             self._phases = {
-                detached: {
-                    "propose": jax.jit(functools.partial(propose_phase, spec), donate_argnums=(1,)),
-                    "verify": jax.jit(functools.partial(verify_phase, spec), donate_argnums=(1,)),
-                    "sample": jax.jit(functools.partial(sample_phase, spec)),
-                    "update": jax.jit(functools.partial(update_phase, spec), donate_argnums=(1,)),
-                }
-                for detached, spec in ((False, self.spec), (True, self.plain_spec))
+                "propose": jax.jit(functools.partial(propose_phase, spec), donate_argnums=(1,)),
+                "verify": jax.jit(functools.partial(verify_phase, spec), donate_argnums=(1,)),
+                "sample": jax.jit(functools.partial(sample_phase, spec)),
+                "update": jax.jit(functools.partial(update_phase, spec), donate_argnums=(1,)),
             }
 
     def host_batch(self, bucket: Bucket) -> StepBatch:
@@ -120,23 +115,24 @@ class StepRunner:
         rows, length, k = bucket
         return self.params, self.state, StepBatch.zeros(rows, length, k, self.engine_config.blocks_per_seq)
 
-    def run(self, batch: StepBatch, detached: bool = False) -> np.ndarray:
+    def run(self, batch: StepBatch) -> np.ndarray:
         """Run one padded step; the one host fetch: int32 [B, K+2] (tokens, then the accepted count).
 
-        ``detached``: a plain step of the target alone (K must be 0): the proposer's state is not updated.
+        A step without drafts and without ``batch.attached`` rows is *detached*: the target alone, the
+        proposer's state untouched.
         """
         compiles = self.num_compiles
         if self.profile:
-            packed = self._run_phases(batch, detached)
+            packed = self._run_phases(batch)
         else:
-            exe = (self.detached if detached else self.executables).get(_bucket_of(batch))
+            exe = self.executables.get(_bucket_of(batch))
             packed, self.state = exe(self.params, self.state, batch)
             packed = np.asarray(packed)
         self.compiled_last_run = self.num_compiles != compiles
         return packed
 
-    def _run_phases(self, batch: StepBatch, detached: bool) -> np.ndarray:
-        phase, params, timer = self._phases[detached], self.params, time.perf_counter
+    def _run_phases(self, batch: StepBatch) -> np.ndarray:
+        phase, params, timer = self._phases, self.params, time.perf_counter
         t0 = timer()
         drafts, q, state = jax.block_until_ready(phase["propose"](params, self.state, batch))
         t1 = timer()
@@ -152,8 +148,8 @@ class StepRunner:
         self.phase_seconds["sample"] += t3 - t2
         return packed
 
-    def warmup(self, buckets: list[tuple[Bucket, bool]], *, progress: bool = True) -> None:
-        """Compile each ``(bucket, detached)`` now and run it once on an all-padding step (it writes nothing).
+    def warmup(self, buckets: list[Bucket], *, progress: bool = True) -> None:
+        """Compile each bucket now and run it once on an all-padding step (it writes nothing).
 
         Compilations run in parallel on the machine's cores; a first execution costs extra (allocation,
         thread start-up), and the first real steps should not pay it. ``progress`` shows a progress bar
@@ -168,10 +164,9 @@ class StepRunner:
         workers = os.cpu_count() or 1
         try:
             if not self.profile:
-                for detached, exes in ((False, self.executables), (True, self.detached)):
-                    exes.compile_all([b for b, d in buckets if d == detached], workers=workers, on_done=tick)
-            for bucket, detached in buckets:
-                self.run(self.host_batch(bucket), detached)
+                self.executables.compile_all(buckets, workers=workers, on_done=tick)
+            for bucket in buckets:
+                self.run(self.host_batch(bucket))
                 if bar is not None and self.profile:
                     bar.update(1)
         finally:
@@ -179,22 +174,24 @@ class StepRunner:
                 bar.close()
 
     def time_step(self, bucket: Bucket, detached: bool, repeats: int = 3) -> float:
-        """Median wall time of an all-padding step of ``bucket`` (compiled already), fetch included."""
+        """Median wall time of an all-padding step of ``bucket`` (compiled already), fetch included; the
+        padding rows count as attached unless ``detached`` (they write nothing either way)."""
         times = []
         for _ in range(repeats):
             batch = self.host_batch(bucket)
+            batch.attached[:] = not detached
             start = time.perf_counter()
-            self.run(batch, detached)
+            self.run(batch)
             times.append(time.perf_counter() - start)
         return float(np.median(times))
 
     @property
     def num_compiles(self) -> int:
-        return self.executables.num_compiles + self.detached.num_compiles
+        return self.executables.num_compiles
 
     @property
     def compile_seconds(self) -> float:
-        return self.executables.compile_seconds + self.detached.compile_seconds
+        return self.executables.compile_seconds
 
 
 _PADDING = {name: np.asarray(v).flat[0] for name, v in vars(StepBatch.zeros(1, 1, 1, 1)).items()}
@@ -242,9 +239,9 @@ class Engine:
     def _decode_length(self) -> int:
         return self.config.length_buckets[0]
 
-    def buckets(self, prompt_lengths: Sequence[int] | None = None) -> list[tuple[Bucket, bool]]:
-        """Every (bucket, detached) a step can take: plain steps at each query length, drafting steps at each
-        K, and (with an adaptive controller over a proposer with device state) detached plain decoding steps.
+    def buckets(self, prompt_lengths: Sequence[int] | None = None) -> list[Bucket]:
+        """Every bucket a step can take: steps without drafts at each query length (attached or detached: one
+        executable) and drafting steps at each K.
 
         ``prompt_lengths``: only the query lengths that prompts of these lengths prefill in when each gets whole
         chunks (a step that splits them otherwise compiles its bucket on first use)."""
@@ -256,12 +253,17 @@ class Engine:
             needed = {decode} | {n for length in prompt_lengths for n in (min(length, chunk), length % chunk) if n}
             used = {bucket_for(n, lengths, "query length") for n in needed}
             lengths = tuple(t for t in lengths if t in used)
-        out = [((r, t, 0), False) for r in rows for t in lengths]
-        out += [((r, decode, k), False) for r in rows for k in range(1, self.k_max + 1)
+        out = [(r, t, 0) for r in rows for t in lengths]
+        out += [(r, decode, k) for r in rows for k in range(1, self.k_max + 1)
                 if self.controller is not None or k <= max(self.k_table)]
-        if self.controller is not None and self.proposer.syncs:
-            out += [((r, decode, 0), True) for r in rows]
         return out
+
+    def _step_kinds(self, buckets: list[Bucket]) -> list[tuple[Bucket, bool]]:
+        """The decoding step kinds the controller chooses between: (bucket, detached)."""
+        kinds = [(b, False) for b in buckets if b[1] == self._decode_length]
+        if self.proposer.syncs:
+            kinds += [(b, True) for b in buckets if b[1] == self._decode_length and b[2] == 0]
+        return kinds
 
     def warmup(self, *, progress: bool = True, prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile every bucket (see :meth:`buckets`); with a controller, also time each decoding step kind
@@ -271,9 +273,9 @@ class Engine:
         if self.controller is not None:
             # Rounds over all kinds rather than repeats of one: a slow spell of the machine then lands on one
             # measurement of several kinds, not on all of one kind's (the cost is their median).
-            decoding = [(b, d) for b, d in buckets if b[1] == self._decode_length]
+            kinds = self._step_kinds(buckets)
             for _ in range(3):
-                for (rows, length, k), detached in decoding:
+                for (rows, length, k), detached in kinds:
                     self.controller.costs.observe((rows, k, detached),
                                                   self.runner.time_step((rows, length, k), detached, repeats=1))
 
@@ -334,6 +336,25 @@ class Engine:
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
         return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
 
+    def _prefill_detached(self, rows) -> bool:
+        """Run this prefill step without the proposer: no row in it is decoding with current proposer state,
+        and the controller expects requests like these to decode faster with the target alone at the batch
+        size the scheduler holds (then drafting for them would never pay, and neither would following their
+        prompts)."""
+        c, table = self.controller, self.scheduler.slots
+        if c is None or not self.proposer.syncs:
+            return False
+        if any(r.num_new == 1 and r.request.output_token_ids and table.synced[r.request.slot] for r in rows):
+            return False
+        sched = self.scheduler
+        expected = min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
+        limits = np.asarray([min(self.k_max, r.request.params.max_tokens - 1) for r in rows]).clip(0)
+        plan = c.row_caps([r.request.request_id for r in rows], [r.request.params.temperature > 0 for r in rows],
+                          limits, np.ones(len(rows), bool))
+        detached = c.prefers_plain(bucket_for(expected, self.config.row_buckets, "num_seqs"), plan, expected)
+        c.num_detached_prefills += int(detached)
+        return detached
+
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
         start_time = time.perf_counter()
@@ -346,7 +367,7 @@ class Engine:
         if decoding and self.spec_stats is not None:
             k, num_drafts, host_drafts, detached = self._plan(rows, slots)
         else:
-            k, num_drafts, host_drafts, detached = 0, np.zeros(n, np.int32), None, False
+            k, num_drafts, host_drafts, detached = 0, np.zeros(n, np.int32), None, self._prefill_detached(rows)
         cfg = self.config
         bucket = (bucket_for(n, cfg.row_buckets, "num_seqs"),
                   bucket_for(int(num_new.max()), cfg.length_buckets, "query_len"), k)
@@ -360,7 +381,9 @@ class Engine:
                 batch.host_drafts[i, : num_drafts[i]] = d[: num_drafts[i]]
         if detached:
             table.synced[slots] = False  # the proposer does not see this step's tokens
-        packed = self.runner.run(batch, detached)[:n]  # the step's one host fetch
+        else:
+            batch.attached[:n] = True
+        packed = self.runner.run(batch)[:n]  # the step's one host fetch
         finished = self._commit(rows, packed, num_drafts, k)
         elapsed = time.perf_counter() - start_time
         if decoding and self.controller is not None and not self.runner.compiled_last_run:

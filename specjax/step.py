@@ -112,6 +112,9 @@ class StepBatch:
     """bool [B]: the slot was just (re)assigned: its per-slot statistics start over."""
     num_logprobs: jax.Array
     """int32 [B]: top log-probabilities to return per committed token; -1 = no logprobs."""
+    attached: jax.Array
+    """bool [B]: the proposer follows this row (keeps its state in step to draft for it later); False for
+    padding and in a *detached* step. A step without drafts and without attached rows skips the proposer."""
 
     @classmethod
     def zeros(cls, batch: int, length: int, k: int, max_blocks: int) -> "StepBatch":
@@ -145,6 +148,7 @@ class StepBatch:
             prompt_len=np.zeros((batch,), i32),
             reset=np.zeros((batch,), bool),
             num_logprobs=np.full((batch,), -1, i32),
+            attached=np.zeros((batch,), bool),
         )
 
 
@@ -187,11 +191,24 @@ def _window(batch: StepBatch, drafts: jax.Array, block_size: int):
                            drafts, batch.num_drafts, block_size)
 
 
+def _if_attached(batch: StepBatch, proposer_state, fn):
+    """``fn()`` -> (..., new proposer state); in a step without drafts (K = 0) it runs only when some row is
+    attached, else zeros of its outputs and the state untouched (a detached step: the target alone)."""
+    if proposer_state is None or batch.host_drafts.shape[1] > 0:
+        return fn()
+
+    def skip():
+        outs = jax.eval_shape(fn)[:-1]
+        return (*jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), outs), proposer_state)
+
+    return jax.lax.cond(jnp.any(batch.attached), fn, skip)
+
+
 def propose_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch):
     """The proposer's drafts: (int32 [B, K], q [B, K, V] or None, state). Also counts the catch-up tokens."""
     target_params, proposer_params = params
-    drafts, q, pstate = spec.proposer.propose(proposer_params, target_params, state.proposer, batch,
-                                              batch_keys(batch), k=batch.host_drafts.shape[1])
+    drafts, q, pstate = _if_attached(batch, state.proposer, lambda: spec.proposer.propose(
+        proposer_params, target_params, state.proposer, batch, batch_keys(batch), k=batch.host_drafts.shape[1]))
     return drafts, q, state.replace(proposer=pstate, sampling=absorb_context(state.sampling, batch))
 
 
@@ -230,7 +247,8 @@ def update_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, d
     tokens, positions, slots, _ = _window(batch, drafts, state.target_kv.block_size)  # [B, W] each
     verified = Verified(tokens=tokens, positions=positions, slot_mapping=slots, features=features, drafts=drafts,
                         out_tokens=out, accepted=accepted)
-    pstate = spec.proposer.update(params[1], params[0], state.proposer, batch, verified, k=drafts.shape[1])
+    pstate, = _if_attached(batch, state.proposer, lambda: (spec.proposer.update(
+        params[1], params[0], state.proposer, batch, verified, k=drafts.shape[1]),))
     first = jnp.take_along_axis(batch.positions, batch.last_index[:, None], axis=1)[:, 0] + 1  # [B]
     sampling = absorb_committed(state.sampling, batch, out, accepted, first)
     logprobs = logprob_outputs(logits, out, batch.num_logprobs, top_logprobs(logits.shape[-1]))  # [B, K+1, 2+2N]

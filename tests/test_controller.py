@@ -1,5 +1,6 @@
 """The adaptive speculation-length controller: decisions on fake costs and acceptance, then in the engine."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -190,9 +191,40 @@ def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(targ
             c.costs.set((rows, k, False), 10.0)
         c.costs.set((rows, 0, True), 1.0)
     c.costs.frozen = True
+    c.prefers_plain = lambda *a: False  # prefill attached, as when drafting was expected to pay
     prompts = _prompts(3, [6, 11])
     params = specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     m = llm.get_metrics()
-    assert m["num_detached_steps"] > 0
+    assert m["num_detached_steps"] > 0 and m["num_detached_prefills"] == 0
+
+
+def test_prefill_runs_detached_when_drafting_cannot_pay_and_the_proposer_is_never_touched(target_dir, draft_dir):
+    plain = specjax.LLM(target_dir, warmup=False, **KW)
+    llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2}, **KW)
+    warm = llm.num_compiles
+    c = llm.engine.controller
+    for rows in (1, 2, 4):  # drafting steps cost 10x a plain one: even drafts always accepted cannot pay
+        for k in range(3):
+            c.costs.set((rows, k, False), 10.0)
+        c.costs.set((rows, 0, True), 1.0)
+    c.costs.frozen = True
+    before = [np.asarray(a).copy() for a in jax.tree.leaves(llm.runner.state.proposer)]
+    prompts = _prompts(4, [6, 11, 20])
+    params = [specjax.SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              specjax.SamplingParams(temperature=0.7, max_tokens=9, seed=1, ignore_eos=True),
+              specjax.SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)]
+    with count_compiles() as counter:
+        outs = llm.generate(prompts, params)
+    assert counter.count == 0 and llm.num_compiles == warm  # detached steps are the warmed-up executables
+    expected = plain.generate(prompts, params)
+    # Every step was plain, and sampling noise is keyed by request and position: even the sampled row matches.
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    m = llm.get_metrics()
+    assert m["num_detached_prefills"] > 0 and m["num_draft_tokens"] == 0
+    assert m["num_detached_steps"] == m["num_steps"] - m["num_detached_prefills"]  # every decoding step too
+    after = jax.tree.leaves(llm.runner.state.proposer)
+    assert len(before) == len(after) > 0
+    for a, b in zip(before, after):  # the draft model's KV cache was never written
+        np.testing.assert_array_equal(a, np.asarray(b))

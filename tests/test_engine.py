@@ -198,11 +198,11 @@ def test_error_mid_generate_aborts_cleanly(llm, monkeypatch):
     real_run = llm.runner.run
     calls = {"n": 0}
 
-    def flaky(inputs, num_rows):
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        return real_run(inputs, num_rows)
+        return real_run(*args, **kwargs)
 
     monkeypatch.setattr(llm.runner, "run", flaky)
     with pytest.raises(RuntimeError, match="device lost"):
@@ -231,10 +231,10 @@ def test_warmup_for_known_prompts_compiles_only_their_prefill_lengths(llama_dir)
     llm = specjax.LLM(llama_dir, warmup=False, max_model_len=128, max_num_seqs=1, max_prefill_chunk=16)
     assert llm.engine_config.length_buckets == (1, 4, 16)
     # 7 tokens prefill in one step of 7 (bucket 16); 3 in bucket 4; 33 in 16 + 16 + 1 (buckets 16 and 1).
-    assert sorted(t for (_, t, _), _ in llm.engine.buckets([7])) == [1, 16]
-    assert sorted(t for (_, t, _), _ in llm.engine.buckets([3, 33])) == [1, 4, 16]
-    assert sorted(t for (_, t, _), _ in llm.engine.buckets([33])) == [1, 16]
-    assert sorted(t for (_, t, _), _ in llm.engine.buckets(None)) == [1, 4, 16]
+    assert sorted(t for _, t, _ in llm.engine.buckets([7])) == [1, 16]
+    assert sorted(t for _, t, _ in llm.engine.buckets([3, 33])) == [1, 4, 16]
+    assert sorted(t for _, t, _ in llm.engine.buckets([33])) == [1, 16]
+    assert sorted(t for _, t, _ in llm.engine.buckets(None)) == [1, 4, 16]
     prompts = _prompts(3, [7])
     llm.warmup(prompts)
     assert llm.num_compiles == 2

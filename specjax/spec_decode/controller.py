@@ -5,10 +5,13 @@ The controller picks, for a decoding step of ``R`` rows, one of
 * ``K in 1..K_max`` drafts (rows draft up to their own cap),
 * ``K = 0`` with the proposer attached (it keeps its device state in step; a draft
   head also drafts ahead for the next step), or
-* a *detached* plain step: the target alone, exactly what plain decoding runs. Rows
+* a *detached* plain step: the target alone (the proposer's work is skipped). Rows
   whose proposer state misses a detached step can never draft again (their draft
   KV lacks that token), so detaching is held back until it has won several steps
-  in a row (``detach_after``).
+  in a row (``detach_after``). New requests are prefilled detached when even
+  their best expected drafting rate loses to the target alone
+  (:meth:`SpeculationController.prefers_plain`): then the proposer never reads
+  their prompts.
 
 It maximizes expected committed tokens per second,
 ``(R + sum_r E[accepted_r | cap_r]) / cost(bucket, K)``, where
@@ -175,6 +178,7 @@ class SpeculationController:
         self._detach_votes = 0
         self.k_histogram = np.zeros(k_max + 1, np.int64)
         self.num_detached_steps = 0
+        self.num_detached_prefills = 0
 
     # ------------------------------------------------------------------ estimates
 
@@ -251,17 +255,8 @@ class SpeculationController:
         cfg = self.config
         n = len(plan.request_ids)
         cap_row = plan.caps if found is None else np.minimum(plan.caps, np.asarray(found, np.int64))
-        exp = np.concatenate([np.zeros((n, 1)), np.cumsum(plan.reach, axis=1)], axis=1)  # [R, K_max + 1]
-        caps_at = np.minimum(np.arange(self.k_max + 1)[None, :], cap_row[:, None])  # [R, K_max + 1]
-        gains = np.take_along_axis(exp, caps_at, axis=1).sum(axis=0)  # [K_max + 1]
-        drafting = caps_at.any(axis=0)  # [K_max + 1]
-        best_k, best_rate = 0, -1.0
-        for k in range(self.k_max + 1):
-            if k and not drafting[k]:
-                continue
-            rate = (n + gains[k]) / self.costs.estimate(rows, k, False)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+        caps_at, gains = self._gains(plan.reach, cap_row)
+        best_k, best_rate = self._best(rows, n, gains)
         detached = False
         if self.can_detach:
             if n / self.costs.estimate(rows, 0, True) > best_rate:
@@ -284,6 +279,39 @@ class SpeculationController:
         self.count_step(k, detached)
         return Decision(k=k, caps=caps, detached=detached)
 
+    def _gains(self, reach: np.ndarray, cap_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(caps [R, K_max + 1]: each row's cap at each K, expected accepted drafts summed over rows
+        [K_max + 1], NaN where no row drafts at that K)."""
+        exp = np.concatenate([np.zeros((reach.shape[0], 1)), np.cumsum(reach, axis=1)], axis=1)  # [R, K_max + 1]
+        caps_at = np.minimum(np.arange(self.k_max + 1)[None, :], cap_row[:, None])  # [R, K_max + 1]
+        gains = np.take_along_axis(exp, caps_at, axis=1).sum(axis=0)  # [K_max + 1]
+        gains[1:][~caps_at[:, 1:].any(axis=0)] = np.nan
+        return caps_at, gains
+
+    def _best(self, rows: int, n: float, gains: np.ndarray) -> tuple[int, float]:
+        """The attached K with the most expected tokens per second for ``n`` rows, and that rate."""
+        best_k, best_rate = 0, -1.0
+        for k in range(self.k_max + 1):
+            if np.isnan(gains[k]):
+                continue
+            rate = (n + gains[k]) / self.costs.estimate(rows, k, False)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def prefers_plain(self, rows: int, plan: RowCaps, num_rows: int) -> bool:
+        """Would ``num_rows`` rows like ``plan``'s (requests about to be prefilled) decode faster with the
+        target alone in steps of ``rows``? Then their prefill runs detached and the proposer never sees them.
+
+        The same rates as :meth:`decide` at its best K, with each row's gains scaled to ``num_rows`` rows.
+        """
+        n = len(plan.request_ids)
+        if not self.can_detach or not n:
+            return False
+        _, gains = self._gains(plan.reach, plan.caps)
+        _, best_rate = self._best(rows, num_rows, gains * (num_rows / n))
+        return num_rows / self.costs.estimate(rows, 0, True) > best_rate
+
     def count_step(self, k: int, detached: bool) -> None:
         """Count a decoding step's K (also for steps planned without :meth:`decide`)."""
         self.k_histogram[k] += 1
@@ -296,4 +324,5 @@ class SpeculationController:
             "k_histogram": self.k_histogram.tolist(),
             "plain_step_share": float(self.k_histogram[0] / steps) if steps else 0.0,
             "num_detached_steps": self.num_detached_steps,
+            "num_detached_prefills": self.num_detached_prefills,
         }
