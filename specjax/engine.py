@@ -173,13 +173,15 @@ class StepRunner:
             if bar is not None:
                 bar.close()
 
-    def time_step(self, bucket: Bucket, detached: bool, repeats: int = 3) -> float:
+    def time_step(self, bucket: Bucket, detached: bool, sampled: bool = False, repeats: int = 3) -> float:
         """Median wall time of an all-padding step of ``bucket`` (compiled already), fetch included; the
-        padding rows count as attached unless ``detached`` (they write nothing either way)."""
+        padding rows count as attached unless ``detached``, and sample (temperature 1) if ``sampled`` (they
+        write nothing either way)."""
         times = []
         for _ in range(repeats):
             batch = self.host_batch(bucket)
             batch.attached[:] = not detached
+            batch.temperature[:] = float(sampled)
             start = time.perf_counter()
             self.run(batch)
             times.append(time.perf_counter() - start)
@@ -276,8 +278,10 @@ class Engine:
             kinds = self._step_kinds(buckets)
             for _ in range(3):
                 for (rows, length, k), detached in kinds:
-                    self.controller.costs.observe((rows, k, detached),
-                                                  self.runner.time_step((rows, length, k), detached, repeats=1))
+                    for sampled in (False, True):
+                        self.controller.costs.observe(
+                            (rows, k, detached, sampled),
+                            self.runner.time_step((rows, length, k), detached, sampled, repeats=1))
 
     # ------------------------------------------------------------------ requests
 
@@ -387,7 +391,8 @@ class Engine:
         finished = self._commit(rows, packed, num_drafts, k)
         elapsed = time.perf_counter() - start_time
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
-            self.controller.costs.observe((bucket[0], k, detached), elapsed)
+            sampled = bool(np.any(batch.temperature[:n] > 0))
+            self.controller.costs.observe((bucket[0], k, detached, sampled), elapsed)
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         return finished

@@ -14,8 +14,9 @@ K = 4
 
 def _controller(costs: dict, *, can_detach=False, **cfg) -> SpeculationController:
     c = SpeculationController(K, ControllerConfig(**cfg), can_detach=can_detach)
-    for key, seconds in costs.items():
-        c.costs.observe(key, seconds)
+    for key, seconds in costs.items():  # (rows, K, detached): the same for greedy and sampled steps
+        for sampled in (False, True):
+            c.costs.observe((*key, sampled), seconds)
     return c
 
 
@@ -105,11 +106,11 @@ def test_probe_waits_double_after_each_probe_of_a_request():
 def test_one_slow_step_does_not_move_a_cost():
     c = _controller({})
     for seconds in (1.0, 1.1, 0.9, 30.0, 1.0):  # a GC pause or another process in the middle
-        c.costs.observe((1, 0, True), seconds)
-    assert c.costs.get((1, 0, True)) == 1.0
+        c.costs.observe((1, 0, True, False), seconds)
+    assert c.costs.get((1, 0, True, False)) == 1.0
     for _ in range(8):  # a lasting change is followed
-        c.costs.observe((1, 0, True), 3.0)
-    assert c.costs.get((1, 0, True)) == 3.0
+        c.costs.observe((1, 0, True, False), 3.0)
+    assert c.costs.get((1, 0, True, False)) == 3.0
 
 
 def test_a_kind_is_never_estimated_above_one_that_does_more_work():
@@ -120,9 +121,32 @@ def test_a_kind_is_never_estimated_above_one_that_does_more_work():
     assert c.costs.estimate(1, 2, False) == 3.0 and c.costs.estimate(1, 0, False) == 2.0
 
 
+def test_drafting_must_promise_min_speedup_over_plain():
+    for k1_cost, drafts in ((1.9, False), (1.7, True)):  # every draft accepted: 2 tokens per K=1 step
+        costs = {(1, 0, False): 1.0, (1, 1, False): k1_cost} | {(1, k, False): 10.0 for k in range(2, K + 1)}
+        c = _controller(costs)
+        _teach(c, "a", 1.0)
+        assert _decide(c, 1, ["a"], [False], [K], [True]).k == (1 if drafts else 0), k1_cost
+
+
+def test_sampled_steps_are_costed_apart_from_greedy_ones():
+    c = _controller({})
+    for sampled, k1_cost in ((False, 1.2), (True, 3.0)):  # the sampler's random path makes sampled steps dear
+        c.costs.observe((1, 0, False, sampled), 1.0)
+        c.costs.observe((1, 1, False, sampled), k1_cost)
+        for k in range(2, K + 1):
+            c.costs.observe((1, k, False, sampled), 10.0)
+    _teach(c, "g", 1.0)
+    _teach(c, "s", 1.0, sampled=True)
+    assert _decide(c, 1, ["g"], [False], [K], [True]).k == 1
+    assert _decide(c, 1, ["s"], [True], [K], [True]).k == 0
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="cost_window"):
         ControllerConfig(cost_window=0)
+    with pytest.raises(ValueError, match="min_speedup"):
+        ControllerConfig(min_speedup=float("nan"))
     with pytest.raises(ValueError, match="detach_after"):
         ControllerConfig(detach_after=-1)
     with pytest.raises(ValueError, match="adaptive"):
@@ -164,8 +188,8 @@ def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(
     warm = llm.num_compiles
     # Make drafting look cheap for two row buckets and dear for the others, so the chosen K changes.
     costs = llm.engine.controller.costs
-    for (rows, k, detached) in list(costs.seconds):
-        costs.set((rows, k, detached), 1.0 + (0.01 if rows <= 2 else 5.0) * k)
+    for rows, k, detached, sampled in list(costs.seconds):
+        costs.set((rows, k, detached, sampled), 1.0 + (0.01 if rows <= 2 else 5.0) * k)
     costs.frozen = True  # keep the table fixed during the test
     loads = []
     for i, lengths in enumerate([[5], [9, 30], [3, 17, 41, 8], [12, 2, 6]]):
@@ -187,9 +211,10 @@ def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(targ
                       warmup=False, **KW)
     c = llm.engine.controller
     for rows in (1, 2, 4):  # drafting and attached plain steps are dear, detached ones cheap
-        for k in range(3):
-            c.costs.set((rows, k, False), 10.0)
-        c.costs.set((rows, 0, True), 1.0)
+        for sampled in (False, True):
+            for k in range(3):
+                c.costs.set((rows, k, False, sampled), 10.0)
+            c.costs.set((rows, 0, True, sampled), 1.0)
     c.costs.frozen = True
     c.prefers_plain = lambda *a: False  # prefill attached, as when drafting was expected to pay
     prompts = _prompts(3, [6, 11])
@@ -206,9 +231,10 @@ def test_prefill_runs_detached_when_drafting_cannot_pay_and_the_proposer_is_neve
     warm = llm.num_compiles
     c = llm.engine.controller
     for rows in (1, 2, 4):  # drafting steps cost 10x a plain one: even drafts always accepted cannot pay
-        for k in range(3):
-            c.costs.set((rows, k, False), 10.0)
-        c.costs.set((rows, 0, True), 1.0)
+        for sampled in (False, True):
+            for k in range(3):
+                c.costs.set((rows, k, False, sampled), 10.0)
+            c.costs.set((rows, 0, True, sampled), 1.0)
     c.costs.frozen = True
     before = [np.asarray(a).copy() for a in jax.tree.leaves(llm.runner.state.proposer)]
     prompts = _prompts(4, [6, 11, 20])

@@ -14,7 +14,8 @@ The controller picks, for a decoding step of ``R`` rows, one of
   their prompts.
 
 It maximizes expected committed tokens per second,
-``(R + sum_r E[accepted_r | cap_r]) / cost(bucket, K)``, where
+``(R + sum_r E[accepted_r | cap_r]) / cost(bucket, K)``, drafting only when that
+beats a step without drafts by ``min_speedup`` (1.1x), where
 ``E[accepted | c] = sum_{j<=c} prod_{i<=j} alpha_i`` with per-position
 conditional acceptance ``alpha_i`` estimated per request (a Beta-style mean with
 the method's running average as prior, kept apart for greedy and sampled
@@ -56,6 +57,9 @@ class ControllerConfig:
     """A row drafts position j only while it adds at least this many expected tokens."""
     cost_window: int = 8
     """A step kind's cost is the median of its last this-many measurements."""
+    min_speedup: float = 1.1
+    """Drafting must promise this many times the expected tokens per second of a plain step: the rates leave
+    out measurement noise and the proposer's prefill, and "never slower than plain" wants a margin."""
     detach_after: int = 3
     """Consecutive decoding steps a detached plain step must win before the controller detaches."""
     probe_every: int = 32
@@ -63,7 +67,7 @@ class ControllerConfig:
     doubles after each probe of the same request."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_strength", "min_gain"):
+        for name in ("prior_strength", "min_gain", "min_speedup"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -95,8 +99,9 @@ def _more_work(a: tuple[int, bool], b: tuple[int, bool]) -> bool:
 
 
 class CostModel:
-    """Wall time per step kind ``(rows bucket, K, detached)``: the median of its recent measurements (warmup's
-    first), capped by the cost of any kind of the same bucket that does more work."""
+    """Wall time per step kind ``(rows bucket, K, detached, sampled)``: the median of its recent measurements
+    (warmup's first), capped by the cost of any kind of the same bucket that does more work. ``sampled``: some
+    row samples (the sampler's random path, dearer than argmax, runs only then)."""
 
     def __init__(self, window: int):
         self.window = window
@@ -121,19 +126,19 @@ class CostModel:
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
 
-    def estimate(self, rows: int, k: int, detached: bool) -> float:
+    def estimate(self, rows: int, k: int, detached: bool, sampled: bool = False) -> float:
         """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
         bucket that does more work."""
-        got = self.seconds.get((rows, k, detached))
+        got = self.seconds.get((rows, k, detached, sampled))
         if got is None:
-            base = self.seconds.get((rows, 0, True)) or self.seconds.get((rows, 0, False))
+            base = self.seconds.get((rows, 0, True, sampled)) or self.seconds.get((rows, 0, False, sampled))
             if base is None:
                 got = 1.0 + 0.25 * k  # nothing measured for this row bucket yet: unit costs, K costs extra
             else:  # an unmeasured drafting step is assumed expensive (a verify over K+1 tokens plus drafting)
                 got = base * (1.0 + 0.25 * k) if not detached else base
         kind = (k, detached)
-        for (r, kk, dd), seconds in self.seconds.items():
-            if r == rows and seconds < got and _more_work(kind, (kk, dd)):
+        for (r, kk, dd, ss), seconds in self.seconds.items():
+            if r == rows and ss == sampled and seconds < got and _more_work(kind, (kk, dd)):
                 got = seconds
         return got
 
@@ -149,6 +154,8 @@ class RowCaps:
     """int64 [R]: drafts worth verifying (a probe counts one), within the row's limit."""
     probing: np.ndarray
     """bool [R]: the row drafts only to re-test its estimate."""
+    sampled: bool
+    """Some row samples (its step kinds' costs are the sampled ones)."""
 
 
 @dataclasses.dataclass
@@ -243,7 +250,8 @@ class SpeculationController:
         limits = np.minimum(np.asarray(limits, np.int64), self.k_max) * np.asarray(can_draft, bool)
         probing = (cfg.probe_every > 0) & (limits > 0) & (idle >= wait)
         caps = np.minimum(np.maximum(useful, probing), limits)
-        return RowCaps(request_ids=list(request_ids), reach=reach, caps=caps, probing=probing)
+        return RowCaps(request_ids=list(request_ids), reach=reach, caps=caps, probing=probing,
+                       sampled=bool(np.any(sampled)))
 
     def decide(self, rows: int, plan: RowCaps, found: np.ndarray | None = None,
                can_draft: np.ndarray | None = None) -> Decision:
@@ -256,16 +264,17 @@ class SpeculationController:
         n = len(plan.request_ids)
         cap_row = plan.caps if found is None else np.minimum(plan.caps, np.asarray(found, np.int64))
         caps_at, gains = self._gains(plan.reach, cap_row)
-        best_k, best_rate = self._best(rows, n, gains)
+        draft_k, draft_rate = self._best_drafting(rows, n, gains, plan.sampled)
+        attached_rate, detached_rate = self._plain_rates(rows, n, plan.sampled)
+        drafting = draft_k > 0 and draft_rate >= cfg.min_speedup * max(attached_rate, detached_rate)
         detached = False
-        if self.can_detach:
-            if n / self.costs.estimate(rows, 0, True) > best_rate:
-                self._detach_votes += 1
-                stale = can_draft is not None and not np.any(can_draft)
-                detached = self._detach_votes >= cfg.detach_after or stale
-            else:
-                self._detach_votes = 0
-        k = 0 if detached else best_k
+        if not drafting and detached_rate > attached_rate:
+            self._detach_votes += 1
+            stale = can_draft is not None and not np.any(can_draft)
+            detached = self._detach_votes >= cfg.detach_after or stale
+        else:
+            self._detach_votes = 0
+        k = draft_k if drafting else 0
         if k == 0 and not detached and (plan.probing & (cap_row > 0)).any():
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
         caps = caps_at[:, k].astype(np.int32) if k else np.zeros(n, np.int32)
@@ -288,29 +297,38 @@ class SpeculationController:
         gains[1:][~caps_at[:, 1:].any(axis=0)] = np.nan
         return caps_at, gains
 
-    def _best(self, rows: int, n: float, gains: np.ndarray) -> tuple[int, float]:
-        """The attached K with the most expected tokens per second for ``n`` rows, and that rate."""
-        best_k, best_rate = 0, -1.0
-        for k in range(self.k_max + 1):
+    def _best_drafting(self, rows: int, n: float, gains: np.ndarray, sampled: bool) -> tuple[int, float]:
+        """The K >= 1 with the most expected tokens per second for ``n`` rows and that rate; (0, 0) when no
+        row drafts."""
+        best_k, best_rate = 0, 0.0
+        for k in range(1, self.k_max + 1):
             if np.isnan(gains[k]):
                 continue
-            rate = (n + gains[k]) / self.costs.estimate(rows, k, False)
+            rate = (n + gains[k]) / self.costs.estimate(rows, k, False, sampled)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
+
+    def _plain_rates(self, rows: int, n: float, sampled: bool) -> tuple[float, float]:
+        """Tokens per second of a step without drafts: attached, and detached (0 where the proposer cannot
+        detach)."""
+        attached = n / self.costs.estimate(rows, 0, False, sampled)
+        return attached, (n / self.costs.estimate(rows, 0, True, sampled) if self.can_detach else 0.0)
 
     def prefers_plain(self, rows: int, plan: RowCaps, num_rows: int) -> bool:
         """Would ``num_rows`` rows like ``plan``'s (requests about to be prefilled) decode faster with the
         target alone in steps of ``rows``? Then their prefill runs detached and the proposer never sees them.
 
-        The same rates as :meth:`decide` at its best K, with each row's gains scaled to ``num_rows`` rows.
+        The same rates and margin as :meth:`decide`, with each row's gains scaled to ``num_rows`` rows.
         """
         n = len(plan.request_ids)
         if not self.can_detach or not n:
             return False
         _, gains = self._gains(plan.reach, plan.caps)
-        _, best_rate = self._best(rows, num_rows, gains * (num_rows / n))
-        return num_rows / self.costs.estimate(rows, 0, True) > best_rate
+        draft_k, draft_rate = self._best_drafting(rows, num_rows, gains * (num_rows / n), plan.sampled)
+        attached_rate, detached_rate = self._plain_rates(rows, num_rows, plan.sampled)
+        drafting = draft_k > 0 and draft_rate >= self.config.min_speedup * max(attached_rate, detached_rate)
+        return not drafting and detached_rate > attached_rate
 
     def count_step(self, k: int, detached: bool) -> None:
         """Count a decoding step's K (also for steps planned without :meth:`decide`)."""
