@@ -205,6 +205,33 @@ def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(
     assert hist[0] > 0 and sum(hist[1:]) > 0  # plain and drafting steps both happened
 
 
+def _learned(c: SpeculationController) -> None:
+    """Earlier requests verified enough drafts (every one accepted) for the method's prior to count."""
+    for sampled in (False, True):
+        for _ in range(c.config.learn_drafts):
+            c.observe("earlier", sampled, c.k_max, c.k_max)
+    assert not c.learning(False) and not c.learning(True)
+
+
+def test_an_unlearned_method_drafts_to_learn_and_never_prefills_detached(target_dir, draft_dir):
+    llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
+                      warmup=False, **KW)
+    c = llm.engine.controller
+    for rows in (1, 2, 4):  # drafting steps cost 10x a plain one: only learning drafts
+        for sampled in (False, True):
+            for k in range(3):
+                c.costs.set((rows, k, False, sampled), 10.0)
+            c.costs.set((rows, 0, True, sampled), 1.0)
+    c.costs.frozen = True
+    # 4 rows x >= 50/3 verifications each: past learn_drafts (32) with room to detach after.
+    llm.generate(_prompts(5, [3, 4, 5, 6]), specjax.SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    m = llm.get_metrics()
+    assert m["num_detached_prefills"] == 0 and m["num_draft_tokens"] >= c.config.learn_drafts
+    assert not c.learning(False) and m["num_detached_steps"] > 0  # learned, then detached
+    llm.generate(_prompts(6, [7]), specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert llm.get_metrics()["num_detached_prefills"] > 0  # the next greedy request is not followed at all
+
+
 def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(target_dir, draft_dir):
     plain = specjax.LLM(target_dir, warmup=False, **KW)
     llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
@@ -216,6 +243,7 @@ def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(targ
                 c.costs.set((rows, k, False, sampled), 10.0)
             c.costs.set((rows, 0, True, sampled), 1.0)
     c.costs.frozen = True
+    _learned(c)
     c.prefers_plain = lambda *a: False  # prefill attached, as when drafting was expected to pay
     prompts = _prompts(3, [6, 11])
     params = specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -236,6 +264,7 @@ def test_prefill_runs_detached_when_drafting_cannot_pay_and_the_proposer_is_neve
                 c.costs.set((rows, k, False, sampled), 10.0)
             c.costs.set((rows, 0, True, sampled), 1.0)
     c.costs.frozen = True
+    _learned(c)
     before = [np.asarray(a).copy() for a in jax.tree.leaves(llm.runner.state.proposer)]
     prompts = _prompts(4, [6, 11, 20])
     params = [specjax.SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),

@@ -15,7 +15,8 @@ The controller picks, for a decoding step of ``R`` rows, one of
 
 It maximizes expected committed tokens per second,
 ``(R + sum_r E[accepted_r | cap_r]) / cost(bucket, K)``, drafting only when that
-beats a step without drafts by ``min_speedup`` (1.1x), where
+beats a step without drafts by ``min_speedup`` (1.1x) or while the method's
+first ``learn_drafts`` drafts teach it the acceptance, where
 ``E[accepted | c] = sum_{j<=c} prod_{i<=j} alpha_i`` with per-position
 conditional acceptance ``alpha_i`` estimated per request (a Beta-style mean with
 the method's running average as prior, kept apart for greedy and sampled
@@ -60,6 +61,9 @@ class ControllerConfig:
     min_speedup: float = 1.1
     """Drafting must promise this many times the expected tokens per second of a plain step: the rates leave
     out measurement noise and the proposer's prefill, and "never slower than plain" wants a margin."""
+    learn_drafts: int = 32
+    """Drafts of the method (greedy and sampled apart) verified before its prior may stop drafting: until
+    then the controller drafts at its best K to learn the acceptance, and never prefills detached."""
     detach_after: int = 3
     """Consecutive decoding steps a detached plain step must win before the controller detaches."""
     probe_every: int = 32
@@ -73,7 +77,7 @@ class ControllerConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not (0.0 <= self.initial_acceptance <= 1.0):
             raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
-        for name, low in (("cost_window", 1), ("detach_after", 0), ("probe_every", 0)):
+        for name, low in (("cost_window", 1), ("learn_drafts", 0), ("detach_after", 0), ("probe_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
@@ -110,6 +114,7 @@ class CostModel:
         self.seconds: dict[tuple, float] = {}
         """The median of each kind's recent measurements."""
         self._recent: dict[tuple, collections.deque] = {}
+        self._capped: dict[tuple, float] = {}  # seconds capped by the kinds that do more work (the envelope)
 
     def observe(self, key: tuple, seconds: float) -> None:
         if self.frozen:
@@ -117,11 +122,23 @@ class CostModel:
         recent = self._recent.setdefault(key, collections.deque(maxlen=self.window))
         recent.append(seconds)
         self.seconds[key] = statistics.median(recent)
+        self._envelope(key)
 
     def set(self, key: tuple, seconds: float) -> None:
         """Replace a kind's measurements by one value."""
         self._recent[key] = collections.deque([seconds], maxlen=self.window)
         self.seconds[key] = seconds
+        self._envelope(key)
+
+    def _envelope(self, key: tuple) -> None:
+        """Recompute the capped costs of ``key``'s bucket (rows, sampled): a suffix minimum in work order."""
+        rows, _, _, sampled = key
+        group = sorted(((k, d) for r, k, d, s in self.seconds if r == rows and s == sampled),
+                       key=lambda kind: (not kind[1], kind[0]))  # detached K=0, then attached K=0, 1, ...
+        low = math.inf
+        for k, d in reversed(group):
+            low = min(low, self.seconds[(rows, k, d, sampled)])
+            self._capped[(rows, k, d, sampled)] = low
 
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
@@ -129,13 +146,14 @@ class CostModel:
     def estimate(self, rows: int, k: int, detached: bool, sampled: bool = False) -> float:
         """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
         bucket that does more work."""
-        got = self.seconds.get((rows, k, detached, sampled))
-        if got is None:
-            base = self.seconds.get((rows, 0, True, sampled)) or self.seconds.get((rows, 0, False, sampled))
-            if base is None:
-                got = 1.0 + 0.25 * k  # nothing measured for this row bucket yet: unit costs, K costs extra
-            else:  # an unmeasured drafting step is assumed expensive (a verify over K+1 tokens plus drafting)
-                got = base * (1.0 + 0.25 * k) if not detached else base
+        got = self._capped.get((rows, k, detached, sampled))
+        if got is not None:
+            return got
+        base = self.seconds.get((rows, 0, True, sampled)) or self.seconds.get((rows, 0, False, sampled))
+        if base is None:
+            got = 1.0 + 0.25 * k  # nothing measured for this row bucket yet: unit costs, K costs extra
+        else:  # an unmeasured drafting step is assumed expensive (a verify over K+1 tokens plus drafting)
+            got = base * (1.0 + 0.25 * k) if not detached else base
         kind = (k, detached)
         for (r, kk, dd, ss), seconds in self.seconds.items():
             if r == rows and ss == sampled and seconds < got and _more_work(kind, (kk, dd)):
@@ -266,7 +284,8 @@ class SpeculationController:
         caps_at, gains = self._gains(plan.reach, cap_row)
         draft_k, draft_rate = self._best_drafting(rows, n, gains, plan.sampled)
         attached_rate, detached_rate = self._plain_rates(rows, n, plan.sampled)
-        drafting = draft_k > 0 and draft_rate >= cfg.min_speedup * max(attached_rate, detached_rate)
+        drafting = draft_k > 0 and (self.learning(plan.sampled)
+                                    or draft_rate >= cfg.min_speedup * max(attached_rate, detached_rate))
         detached = False
         if not drafting and detached_rate > attached_rate:
             self._detach_votes += 1
@@ -322,13 +341,17 @@ class SpeculationController:
         The same rates and margin as :meth:`decide`, with each row's gains scaled to ``num_rows`` rows.
         """
         n = len(plan.request_ids)
-        if not self.can_detach or not n:
+        if not self.can_detach or not n or self.learning(plan.sampled):
             return False
         _, gains = self._gains(plan.reach, plan.caps)
         draft_k, draft_rate = self._best_drafting(rows, num_rows, gains * (num_rows / n), plan.sampled)
         attached_rate, detached_rate = self._plain_rates(rows, num_rows, plan.sampled)
         drafting = draft_k > 0 and draft_rate >= self.config.min_speedup * max(attached_rate, detached_rate)
         return not drafting and detached_rate > attached_rate
+
+    def learning(self, sampled: bool) -> bool:
+        """Too few of the method's drafts verified yet (``learn_drafts``) to trust its acceptance prior."""
+        return self.method_stats[sampled].tried[0] < self.config.learn_drafts
 
     def count_step(self, k: int, detached: bool) -> None:
         """Count a decoding step's K (also for steps planned without :meth:`decide`)."""
