@@ -205,6 +205,16 @@ def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(
     assert hist[0] > 0 and sum(hist[1:]) > 0  # plain and drafting steps both happened
 
 
+def _dear_drafting(c: SpeculationController) -> None:
+    """Pin the costs: every attached step (drafting or not) costs 10x a detached plain one, in every bucket."""
+    for rows in (1, 2, 4):
+        for sampled in (False, True):
+            for k in range(c.k_max + 1):
+                c.costs.set((rows, k, False, sampled), 10.0)
+            c.costs.set((rows, 0, True, sampled), 1.0)
+    c.costs.frozen = True
+
+
 def _learned(c: SpeculationController) -> None:
     """Earlier requests verified enough drafts (every one accepted) for the method's prior to count."""
     for sampled in (False, True):
@@ -217,12 +227,7 @@ def test_an_unlearned_method_drafts_to_learn_and_never_prefills_detached(target_
     llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
                       warmup=False, **KW)
     c = llm.engine.controller
-    for rows in (1, 2, 4):  # drafting steps cost 10x a plain one: only learning drafts
-        for sampled in (False, True):
-            for k in range(3):
-                c.costs.set((rows, k, False, sampled), 10.0)
-            c.costs.set((rows, 0, True, sampled), 1.0)
-    c.costs.frozen = True
+    _dear_drafting(c)  # only learning drafts
     # 4 rows x >= 50/3 verifications each: past learn_drafts (32) with room to detach after.
     llm.generate(_prompts(5, [3, 4, 5, 6]), specjax.SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
     m = llm.get_metrics()
@@ -237,12 +242,7 @@ def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(targ
     llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
                       warmup=False, **KW)
     c = llm.engine.controller
-    for rows in (1, 2, 4):  # drafting and attached plain steps are dear, detached ones cheap
-        for sampled in (False, True):
-            for k in range(3):
-                c.costs.set((rows, k, False, sampled), 10.0)
-            c.costs.set((rows, 0, True, sampled), 1.0)
-    c.costs.frozen = True
+    _dear_drafting(c)
     _learned(c)
     c.prefers_plain = lambda *a: False  # prefill attached, as when drafting was expected to pay
     prompts = _prompts(3, [6, 11])
@@ -258,12 +258,7 @@ def test_prefill_runs_detached_when_drafting_cannot_pay_and_the_proposer_is_neve
     llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2}, **KW)
     warm = llm.num_compiles
     c = llm.engine.controller
-    for rows in (1, 2, 4):  # drafting steps cost 10x a plain one: even drafts always accepted cannot pay
-        for sampled in (False, True):
-            for k in range(3):
-                c.costs.set((rows, k, False, sampled), 10.0)
-            c.costs.set((rows, 0, True, sampled), 1.0)
-    c.costs.frozen = True
+    _dear_drafting(c)  # even drafts always accepted cannot pay
     _learned(c)
     before = [np.asarray(a).copy() for a in jax.tree.leaves(llm.runner.state.proposer)]
     prompts = _prompts(4, [6, 11, 20])
