@@ -5,8 +5,8 @@ a. All-padding decoding steps of one bucket, interleaved ``--reps`` times: the p
    speculative LLM's detached step (its proposer skipped by the branch on attached rows) and its attached
    K = 0 step (the proposer kept in step). Medians.
 b. One load (``--batch`` prompts of 64 tokens, 64 new tokens, temperature ``--temperature``, seeded) generated
-   ``--rounds`` times by plain decoding and by the adaptive controller in turn: each run's prefill step times,
-   total step time, and the controller's detached prefills / steps.
+   ``--rounds`` times by plain decoding and by the adaptive controller in turn: each run's step times (the
+   prefill steps first), their total, and the controller's detached prefills / steps.
 
     python benchmarks/bench_detached.py --out benchmarks/results/detached.json
 """
@@ -69,9 +69,7 @@ def case(method: str, batch: int, temperature: float, reps: int, rounds: int) ->
             before = llm.get_metrics()
             times = step_times(llm, prompts, params)
             after = llm.get_metrics()
-            prefill = (batch * 64 + 63) // 64  # steps that prefill (one 64-token chunk per step at this budget)
-            row[name] = {"prefill_ms": [round(t * 1e3, 1) for t in times[:prefill]],
-                         "total_s": sum(times)}
+            row[name] = {"step_ms": [round(t * 1e3, 1) for t in times], "total_s": sum(times)}
             if name == "adaptive":
                 for key in ("num_detached_prefills", "num_detached_steps", "num_spec_steps", "num_steps"):
                     row[name][key] = after[key] - before[key]

@@ -281,7 +281,7 @@ class Engine:
                     for sampled in (False, True):
                         self.controller.costs.observe(
                             (rows, k, detached, sampled),
-                            self.runner.time_step((rows, length, k), detached, sampled, repeats=1))
+                            self.runner.time_step((rows, length, k), detached, sampled, repeats=1), warmup=True)
 
     # ------------------------------------------------------------------ requests
 

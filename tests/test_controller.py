@@ -113,6 +113,19 @@ def test_one_slow_step_does_not_move_a_cost():
     assert c.costs.get((1, 0, True, False)) == 3.0
 
 
+def test_kinds_seen_only_at_warmup_scale_with_the_real_steps_of_their_bucket():
+    c = _controller({})
+    for k, seconds in ((0, 1.0), (1, 1.5), (2, 2.0)):  # all-padding warmup steps
+        c.costs.observe((8, k, False, False), seconds, warmup=True)
+    c.costs.observe((8, 0, True, False), 0.8, warmup=True)
+    assert c.costs.estimate(8, 1, False) == 1.5
+    for _ in range(3):  # real detached steps run 2x their warmup time (real rows read real KV blocks)
+        c.costs.observe((8, 0, True, False), 1.6)
+    assert c.costs.estimate(8, 0, True) == 1.6
+    assert c.costs.estimate(8, 1, False) == 3.0 and c.costs.estimate(8, 2, False) == 4.0
+    assert c.costs.estimate(8, 1, False, True) == 1.25  # another bucket (sampled): nothing measured, a guess
+
+
 def test_a_kind_is_never_estimated_above_one_that_does_more_work():
     # Detached plain measured badly once (5.0) and never chosen again; attached K=0 and K=2 measured cheaper.
     c = _controller({(1, 0, True): 5.0, (1, 0, False): 2.0, (1, 1, False): 4.0, (1, 2, False): 3.0})

@@ -103,42 +103,53 @@ def _more_work(a: tuple[int, bool], b: tuple[int, bool]) -> bool:
 
 
 class CostModel:
-    """Wall time per step kind ``(rows bucket, K, detached, sampled)``: the median of its recent measurements
-    (warmup's first), capped by the cost of any kind of the same bucket that does more work. ``sampled``: some
-    row samples (the sampler's random path, dearer than argmax, runs only then)."""
+    """Wall time per step kind ``(rows bucket, K, detached, sampled)``, capped by the cost of any kind of the same
+    bucket that does more work. ``sampled``: some row samples (the sampler's random path, dearer than argmax,
+    runs only then).
+
+    A kind measured in real steps costs the median of its recent ones. Warmup measures every kind on
+    all-padding rows, which read one KV block over and over and so run faster than real rows; a kind not yet
+    seen in real steps costs its warmup time scaled by the real / warmup ratio of the kinds of its bucket that
+    were (else a kind the controller keeps choosing would be compared in real time against the others in
+    warmup time)."""
 
     def __init__(self, window: int):
         self.window = window
         self.frozen = False
         """Ignore new measurements (tests pin a table with :meth:`set`)."""
         self.seconds: dict[tuple, float] = {}
-        """The median of each kind's recent measurements."""
-        self._recent: dict[tuple, collections.deque] = {}
+        """Each kind's cost before the cap (see the class docstring)."""
+        self._real: dict[tuple, collections.deque] = {}
+        self._warm: dict[tuple, collections.deque] = {}
         self._capped: dict[tuple, float] = {}  # seconds capped by the kinds that do more work (the envelope)
 
-    def observe(self, key: tuple, seconds: float) -> None:
+    def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
+        """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup."""
         if self.frozen:
             return
-        recent = self._recent.setdefault(key, collections.deque(maxlen=self.window))
-        recent.append(seconds)
-        self.seconds[key] = statistics.median(recent)
-        self._envelope(key)
+        (self._warm if warmup else self._real).setdefault(
+            key, collections.deque(maxlen=self.window)).append(seconds)
+        self._refresh(key)
 
     def set(self, key: tuple, seconds: float) -> None:
-        """Replace a kind's measurements by one value."""
-        self._recent[key] = collections.deque([seconds], maxlen=self.window)
-        self.seconds[key] = seconds
-        self._envelope(key)
+        """Replace a kind's measurements by one real value."""
+        self._real[key] = collections.deque([seconds], maxlen=self.window)
+        self._refresh(key)
 
-    def _envelope(self, key: tuple) -> None:
-        """Recompute the capped costs of ``key``'s bucket (rows, sampled): a suffix minimum in work order."""
+    def _refresh(self, key: tuple) -> None:
+        """Recompute the costs of ``key``'s bucket (rows, sampled), then their cap: a suffix minimum in work
+        order (detached K=0, then attached K=0, 1, ...)."""
         rows, _, _, sampled = key
-        group = sorted(((k, d) for r, k, d, s in self.seconds if r == rows and s == sampled),
-                       key=lambda kind: (not kind[1], kind[0]))  # detached K=0, then attached K=0, 1, ...
+        kinds = {kk for kk in (*self._real, *self._warm) if kk[0] == rows and kk[3] == sampled}
+        real = {kk: statistics.median(self._real[kk]) for kk in kinds if kk in self._real}
+        ratios = [real[kk] / statistics.median(self._warm[kk]) for kk in real if kk in self._warm]
+        scale = statistics.median(ratios) if ratios else 1.0
+        for kk in kinds:
+            self.seconds[kk] = real[kk] if kk in real else statistics.median(self._warm[kk]) * scale
         low = math.inf
-        for k, d in reversed(group):
-            low = min(low, self.seconds[(rows, k, d, sampled)])
-            self._capped[(rows, k, d, sampled)] = low
+        for kk in sorted(kinds, key=lambda kk: (not kk[2], kk[1]), reverse=True):
+            low = min(low, self.seconds[kk])
+            self._capped[kk] = low
 
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
