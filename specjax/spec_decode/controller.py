@@ -293,10 +293,8 @@ class SpeculationController:
         n = len(plan.request_ids)
         cap_row = plan.caps if found is None else np.minimum(plan.caps, np.asarray(found, np.int64))
         caps_at, gains = self._gains(plan.reach, cap_row)
-        draft_k, draft_rate = self._best_drafting(rows, n, gains, plan.sampled)
-        attached_rate, detached_rate = self._plain_rates(rows, n, plan.sampled)
-        drafting = draft_k > 0 and (self.learning(plan.sampled)
-                                    or draft_rate >= cfg.min_speedup * max(attached_rate, detached_rate))
+        draft_k, pays, attached_rate, detached_rate = self._compare(rows, n, gains, plan.sampled)
+        drafting = draft_k > 0 and (pays or self.learning(plan.sampled))
         detached = False
         if not drafting and detached_rate > attached_rate:
             self._detach_votes += 1
@@ -339,11 +337,14 @@ class SpeculationController:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
-    def _plain_rates(self, rows: int, n: float, sampled: bool) -> tuple[float, float]:
-        """Tokens per second of a step without drafts: attached, and detached (0 where the proposer cannot
-        detach)."""
+    def _compare(self, rows: int, n: float, gains: np.ndarray, sampled: bool) -> tuple[int, bool, float, float]:
+        """(best drafting K, whether it beats a step without drafts by ``min_speedup``, tokens per second of an
+        attached and of a detached step without drafts (0 where the proposer cannot detach))."""
+        draft_k, draft_rate = self._best_drafting(rows, n, gains, sampled)
         attached = n / self.costs.estimate(rows, 0, False, sampled)
-        return attached, (n / self.costs.estimate(rows, 0, True, sampled) if self.can_detach else 0.0)
+        detached = n / self.costs.estimate(rows, 0, True, sampled) if self.can_detach else 0.0
+        pays = draft_k > 0 and draft_rate >= self.config.min_speedup * max(attached, detached)
+        return draft_k, pays, attached, detached
 
     def prefers_plain(self, rows: int, plan: RowCaps, num_rows: int) -> bool:
         """Would ``num_rows`` rows like ``plan``'s (requests about to be prefilled) decode faster with the
@@ -355,10 +356,8 @@ class SpeculationController:
         if not self.can_detach or not n or self.learning(plan.sampled):
             return False
         _, gains = self._gains(plan.reach, plan.caps)
-        draft_k, draft_rate = self._best_drafting(rows, num_rows, gains * (num_rows / n), plan.sampled)
-        attached_rate, detached_rate = self._plain_rates(rows, num_rows, plan.sampled)
-        drafting = draft_k > 0 and draft_rate >= self.config.min_speedup * max(attached_rate, detached_rate)
-        return not drafting and detached_rate > attached_rate
+        _, pays, attached_rate, detached_rate = self._compare(rows, num_rows, gains * (num_rows / n), plan.sampled)
+        return not pays and detached_rate > attached_rate
 
     def learning(self, sampled: bool) -> bool:
         """Too few of the method's drafts verified yet (``learn_drafts``) to trust its acceptance prior."""
