@@ -10,6 +10,15 @@ system and load, then ``--reps`` rounds. Reported: tokens/s (median), speed-up o
 chosen-K histogram and share of plain steps. Greedy outputs are checked equal to plain decoding's.
 
     python benchmarks/bench_adaptive.py --out benchmarks/results/adaptive.json
+
+The real-model rows (issue 15): SmolLM2-135M-Instruct with ngram, suffix and its EAGLE-3 head, on the
+held-out prompts of ``specjax.train.selfgen`` (chat, prose, code; topics the head never trained on):
+
+    python benchmarks/bench_adaptive.py --model builtin:smollm2 --prompts selfgen \
+        --methods ngram suffix smollm2_eagle3 --batches 1 8 --out benchmarks/results/smollm2_spec.json
+
+A batch-1 load generates ``--batch1-prompts`` prompts one ``generate`` call each (one call lasts only
+``--new-tokens`` steps, too short to time alone on a noisy machine).
 """
 
 from __future__ import annotations
@@ -32,7 +41,27 @@ METHODS = {
     "draft_model": {"method": "draft_model", "model": "builtin:draft"},
     "eagle3": {"method": "eagle3", "model": "builtin:eagle3"},
     "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "suffix": {"method": "suffix"},
+    "smollm2_eagle3": {"method": "eagle3", "model": "builtin:smollm2_eagle3"},
 }
+
+
+def selfgen_prompts(model: str, n: int, max_len: int) -> list[list[int]]:
+    """The first ``n`` held-out selfgen prompts (chat through the model's template, prose, code) that fit
+    ``max_len`` tokens, interleaving kinds so every batch size sees a mix."""
+    from specjax.builtin import resolve_model
+    from specjax.train import selfgen
+
+    _, held = selfgen.build_prompts()
+    by_kind: dict[str, list] = {}
+    for p in held:
+        by_kind.setdefault(p.kind, []).append(p)
+    mixed = [p for group in zip(*by_kind.values()) for p in group]
+    mixed += [p for p in held if p not in mixed]
+    ids = [x for x in selfgen.encode_prompts(resolve_model(model), mixed, max_len) if x and len(x) <= max_len]
+    if len(ids) < n:
+        raise SystemExit(f"only {len(ids)} held-out prompts fit {max_len} tokens")
+    return ids[:n]
 
 
 def build(args, spec: dict | None) -> specjax.LLM:
@@ -44,14 +73,19 @@ def build(args, spec: dict | None) -> specjax.LLM:
                        query_buckets=(1, args.prompt_len), max_prefill_chunk=args.prompt_len, seed=0)
 
 
-def run_load(llm, prompts, batch: int, temperature: float, new_tokens: int):
+def run_load(llm, prompts, batch: int, temperature: float, new_tokens: int, calls: int = 1):
+    """``calls`` generate calls of ``batch`` prompts each (consecutive prompts); total wall time."""
     params = [specjax.SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=i)
-              for i in range(batch)]
+              for i in range(batch * calls)]
     before = llm.get_metrics()
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return elapsed, [o.outputs[0].token_ids for o in outs], before, llm.get_metrics()
+    ids, elapsed = [], 0.0
+    for c in range(calls):
+        part = slice(c * batch, (c + 1) * batch)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[part]], params[part], use_tqdm=False)
+        elapsed += time.perf_counter() - start
+        ids += [o.outputs[0].token_ids for o in outs]
+    return elapsed, ids, before, llm.get_metrics()
 
 
 def main() -> None:
@@ -66,12 +100,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompts", choices=["stdlib", "selfgen"], default="stdlib",
+                    help="held-out stdlib windows of exactly --prompt-len tokens, or selfgen's held-out prompts")
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts of a batch-1 load (one call each)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     t0 = time.perf_counter()
     plain = build(args, None)
-    prompts = token_prompts(plain.tokenizer, max(args.batches), args.prompt_len)
+    n_prompts = max(max(args.batches), args.batch1_prompts)
+    prompts = (token_prompts(plain.tokenizer, n_prompts, args.prompt_len) if args.prompts == "stdlib"
+               else selfgen_prompts(args.model, n_prompts, args.prompt_len))
     compile_s = time.perf_counter() - t0
     results = []
     for method in args.methods:
@@ -90,19 +129,20 @@ def main() -> None:
             for temperature in args.temperatures:
                 times = {name: [] for name in names}
                 metrics = {}
+                calls = args.batch1_prompts if batch == 1 else 1
                 for name in names:  # untimed: first real steps
                     run_load(llms[name], prompts, batch, temperature, args.new_tokens)
                 for _ in range(args.reps):
                     for name in names:
                         elapsed, ids, before, after = run_load(llms[name], prompts, batch, temperature,
-                                                               args.new_tokens)
+                                                               args.new_tokens, calls)
                         times[name].append(elapsed)
                         if name == "plain":
                             plain_ids = ids
                         elif temperature == 0.0 and ids != plain_ids:
                             raise SystemExit(f"{method} {name} batch {batch}: greedy output differs from plain")
                         metrics[name] = (before, after)
-                tokens = batch * args.new_tokens
+                tokens = batch * calls * args.new_tokens
                 row = {"method": method, "batch": batch, "temperature": temperature, "systems": {}}
                 for name in names:
                     med = statistics.median(times[name])
@@ -115,6 +155,9 @@ def main() -> None:
                         entry["spec_step_share"] = (after["num_spec_steps"] - before["num_spec_steps"]) / max(
                             1, after["num_steps"] - before["num_steps"])
                         entry["num_drafts"] = after["num_drafts"] - before["num_drafts"]
+                        entry["accepted_per_position"] = [  # over the last timed round
+                            a - b for a, b in zip(after.get("accepted_per_position") or [],
+                                                  before.get("accepted_per_position") or [])]
                     row["systems"][name] = entry
                 plain_tok_s = row["systems"]["plain"]["tok_s"]
                 for entry in row["systems"].values():

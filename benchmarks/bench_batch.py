@@ -37,7 +37,7 @@ from pathlib import Path
 
 import specjax
 from specjax.batch import BatchOptions, run_batch
-from specjax.builtin import DEFAULT_SPEC as DEFAULT_BUILTIN_SPEC
+from specjax.builtin import STDLIB_SPEC as DEFAULT_BUILTIN_SPEC
 from specjax.train import corpus
 
 logger = logging.getLogger("bench_batch")

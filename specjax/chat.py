@@ -13,7 +13,7 @@ The template is the model's jinja template (``chat_template.jinja``, else
 ``trim_blocks``/``lstrip_blocks``, loop controls, ``raise_exception``,
 ``strftime_now`` and a ``tojson`` that keeps non-ASCII text. The rendered text
 already holds the template's special tokens (BOS etc.), so it is tokenized with
-``add_special_tokens=False``. A directory without a template (the shipped pair
+``add_special_tokens=False``. A directory without a template (the stdlib pair
 is a code model) gets :func:`render_simple_chat`: one ``role: content`` line per
 message, then ``assistant:``; that text is tokenized with special tokens.
 

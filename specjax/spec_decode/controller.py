@@ -16,7 +16,9 @@ The controller picks, for a decoding step of ``R`` rows, one of
 It maximizes expected committed tokens per second,
 ``(R + sum_r E[accepted_r | cap_r]) / cost(bucket, K)``, drafting only when that
 beats a step without drafts by ``min_speedup`` (1.1x) or while the method's
-first ``learn_drafts`` drafts teach it the acceptance, where
+first ``learn_drafts`` drafts teach it the acceptance (learning ends early once
+even an optimistic bound on the acceptance seen so far could not make drafting
+pay), where
 ``E[accepted | c] = sum_{j<=c} prod_{i<=j} alpha_i`` with per-position
 conditional acceptance ``alpha_i`` estimated per request (a Beta-style mean with
 the method's running average as prior, kept apart for greedy and sampled
@@ -63,7 +65,12 @@ class ControllerConfig:
     out measurement noise and the proposer's prefill, and "never slower than plain" wants a margin."""
     learn_drafts: int = 32
     """Drafts of the method (greedy and sampled apart) verified before its prior may stop drafting: until
-    then the controller drafts at its best K to learn the acceptance, and never prefills detached."""
+    then the controller drafts at its best K to learn the acceptance, and never prefills detached, as long as
+    drafting could pay at the optimistic bound of the acceptance (``learn_z``)."""
+    learn_z: float = 2.0
+    """While learning, each position's acceptance is taken at its Wilson upper bound, this many standard
+    deviations above the verified drafts (1 before any): when even that cannot pay, learning ends early (a
+    head whose first 8 drafts all fail is bounded at 0.33, after 16 at 0.2)."""
     detach_after: int = 3
     """Consecutive decoding steps a detached plain step must win before the controller detaches."""
     probe_every: int = 32
@@ -71,7 +78,7 @@ class ControllerConfig:
     doubles after each probe of the same request."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_strength", "min_gain", "min_speedup"):
+        for name in ("prior_strength", "min_gain", "min_speedup", "learn_z"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -294,7 +301,7 @@ class SpeculationController:
         cap_row = plan.caps if found is None else np.minimum(plan.caps, np.asarray(found, np.int64))
         caps_at, gains = self._gains(plan.reach, cap_row)
         draft_k, pays, attached_rate, detached_rate = self._compare(rows, n, gains, plan.sampled)
-        drafting = draft_k > 0 and (pays or self.learning(plan.sampled))
+        drafting = draft_k > 0 and (pays or self._learning_could_pay(rows, n, cap_row, plan.sampled))
         detached = False
         if not drafting and detached_rate > attached_rate:
             self._detach_votes += 1
@@ -341,10 +348,15 @@ class SpeculationController:
         """(best drafting K, whether it beats a step without drafts by ``min_speedup``, tokens per second of an
         attached and of a detached step without drafts (0 where the proposer cannot detach))."""
         draft_k, draft_rate = self._best_drafting(rows, n, gains, sampled)
-        attached = n / self.costs.estimate(rows, 0, False, sampled)
-        detached = n / self.costs.estimate(rows, 0, True, sampled) if self.can_detach else 0.0
+        attached, detached = self._plain_rates(rows, n, sampled)
         pays = draft_k > 0 and draft_rate >= self.config.min_speedup * max(attached, detached)
         return draft_k, pays, attached, detached
+
+    def _plain_rates(self, rows: int, n: float, sampled: bool) -> tuple[float, float]:
+        """Tokens per second of an attached and of a detached step without drafts (0 where the proposer
+        cannot detach)."""
+        attached = n / self.costs.estimate(rows, 0, False, sampled)
+        return attached, (n / self.costs.estimate(rows, 0, True, sampled) if self.can_detach else 0.0)
 
     def prefers_plain(self, rows: int, plan: RowCaps, num_rows: int) -> bool:
         """Would ``num_rows`` rows like ``plan``'s (requests about to be prefilled) decode faster with the
@@ -353,7 +365,8 @@ class SpeculationController:
         The same rates and margin as :meth:`decide`, with each row's gains scaled to ``num_rows`` rows.
         """
         n = len(plan.request_ids)
-        if not self.can_detach or not n or self.learning(plan.sampled):
+        if not self.can_detach or not n or self._learning_could_pay(rows, num_rows, plan.caps, plan.sampled,
+                                                                     scale=num_rows / n):
             return False
         _, gains = self._gains(plan.reach, plan.caps)
         _, pays, attached_rate, detached_rate = self._compare(rows, num_rows, gains * (num_rows / n), plan.sampled)
@@ -362,6 +375,25 @@ class SpeculationController:
     def learning(self, sampled: bool) -> bool:
         """Too few of the method's drafts verified yet (``learn_drafts``) to trust its acceptance prior."""
         return self.method_stats[sampled].tried[0] < self.config.learn_drafts
+
+    def optimistic_reach(self, sampled: bool) -> np.ndarray:
+        """float64 [K_max]: P(draft j accepted) with each position's conditional acceptance at the Wilson upper
+        bound (``learn_z``) of the method's verified drafts there (1 where none was verified)."""
+        s, z = self.method_stats[sampled], self.config.learn_z
+        n = np.maximum(s.tried, 1.0)
+        p = s.accepted / n
+        upper = (p + z * z / (2 * n) + z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+        return np.cumprod(np.where(s.tried > 0, np.minimum(upper, 1.0), 1.0))
+
+    def _learning_could_pay(self, rows: int, n: float, caps: np.ndarray, sampled: bool, scale: float = 1.0) -> bool:
+        """Still learning, and drafting at ``caps`` would beat a step without drafts if the acceptance were at
+        its optimistic bound (``gains * scale``: rows standing for ``n``)."""
+        if not self.learning(sampled):
+            return False
+        reach = np.broadcast_to(self.optimistic_reach(sampled), (len(caps), self.k_max))
+        _, gains = self._gains(reach, np.asarray(caps, np.int64))
+        _, rate = self._best_drafting(rows, n, gains * scale, sampled)
+        return rate > max(self._plain_rates(rows, n, sampled))
 
     def count_step(self, k: int, detached: bool) -> None:
         """Count a decoding step's K (also for steps planned without :meth:`decide`)."""
