@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import specjax
-from bench_builtin import machine_info, token_prompts
+from bench_builtin import machine_info, reset_suffix_cache, token_prompts
 
 logger = logging.getLogger("bench_adaptive")
 
@@ -74,7 +74,13 @@ def build(args, spec: dict | None) -> specjax.LLM:
 
 
 def run_load(llm, prompts, batch: int, temperature: float, new_tokens: int, calls: int = 1):
-    """``calls`` generate calls of ``batch`` prompts each (consecutive prompts); total wall time."""
+    """``calls`` generate calls of ``batch`` prompts each (consecutive prompts); total wall time.
+
+    A suffix proposer starts each run with an empty global tree: every round repeats the same prompts, and a
+    tree holding the previous rounds' outputs would draft them back (greedy outputs repeat exactly).
+    """
+    if getattr(llm.speculative_config, "method", None) == "suffix":
+        reset_suffix_cache(llm)
     params = [specjax.SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=i)
               for i in range(batch * calls)]
     before = llm.get_metrics()
@@ -92,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/adaptive.json"))
     ap.add_argument("--model", default="builtin:target")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=["draft_model", "eagle3", "ngram"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     ap.add_argument("--static-ks", type=int, nargs="+", default=[1, 2, 4])
