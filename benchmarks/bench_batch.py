@@ -37,7 +37,7 @@ from pathlib import Path
 
 import specjax
 from specjax.batch import BatchOptions, run_batch
-from specjax.builtin import STDLIB_SPEC as DEFAULT_BUILTIN_SPEC
+from specjax.builtin import STDLIB_SPEC
 from specjax.train import corpus
 
 logger = logging.getLogger("bench_batch")
@@ -150,8 +150,8 @@ def main() -> None:
         for seqs in args.max_num_seqs:
             base = dict(model="builtin:target", max_model_len=args.max_model_len, max_num_seqs=seqs, seed=0,
                         tensor_parallel_size=tp)
-            configs = [("plain", base), (f"spec draft_model K={DEFAULT_BUILTIN_SPEC['num_speculative_tokens']}",
-                                         {**base, "speculative_config": dict(DEFAULT_BUILTIN_SPEC)})]
+            configs = [("plain", base), (f"spec draft_model K={STDLIB_SPEC['num_speculative_tokens']}",
+                                         {**base, "speculative_config": dict(STDLIB_SPEC)})]
             plain = None
             for name, kwargs in configs:
                 logger.info("running %s, max_num_seqs=%d, tp=%d", name, seqs, tp)

@@ -30,8 +30,8 @@ c. Head to head with transformers (CPU torch, float32, the same two checkpoints)
    prompt sequentially (aggregate tokens/s).
 d. The pair's one-command run, ``specjax generate --model builtin:target
    --speculative-config <draft_model K=4> --compare-plain --prompt "def parse_args(argv):"``
-   (the README's first command until SmolLM2 became the default), in a subprocess: wall time, peak RSS (``/usr/bin/time -v`` when present,
-   else ``getrusage(RUSAGE_CHILDREN)``), the compile time it prints.
+   (the README's first command until SmolLM2 became the default), in a subprocess: wall time, peak
+   RSS (``/usr/bin/time -v`` when present, else ``getrusage(RUSAGE_CHILDREN)``), the compile time it prints.
 
     python benchmarks/bench_builtin.py --out benchmarks/results/builtin.json
 """
