@@ -4,8 +4,9 @@ Sets ``SPECJAX_WEIGHT_LAYOUT`` to ``cpu`` and to ``checkpoint`` and builds the s
 process; the two (and plain decoding where speculation is measured) generate the same prompts in interleaved
 rounds after an untimed run; medians of ``--reps`` rounds. Models: the shipped target (7.5M, 29 MiB; plain
 and draft_model K = 4 with the shipped draft, greedy), a random 30M Llama (116 MiB; plain) and SmolLM2-135M
-(513 MiB; plain). The threshold of ``SPECJAX_WEIGHT_LAYOUT=auto`` (``specjax.backends.CPU_LAYOUT_MIN_BYTES``)
-rests on these rows.
+(513 MiB; plain). ``SPECJAX_WEIGHT_LAYOUT=auto`` (``specjax.backends.use_cpu_weight_layout``) rests on these
+rows. A last row times SmolLM2 with ``dtype="bfloat16"`` weights against float32, both in the CPU layout (the
+panel kernel reads bfloat16 weights and accumulates in float32), and counts how many greedy tokens agree.
 
     python benchmarks/bench_layout.py --out benchmarks/results/layout.json
 """
@@ -43,16 +44,22 @@ def model_path(name: str) -> str:
     return name
 
 
-def run(name: str, spec: dict | None, new_tokens: int, reps: int) -> dict:
+LAYOUTS = {"cpu": ("cpu", "float32"), "checkpoint": ("checkpoint", "float32")}
+"""Variant name -> (SPECJAX_WEIGHT_LAYOUT, LLM dtype); the first is timed against the second."""
+DTYPES = {"bfloat16": ("cpu", "bfloat16"), "float32": ("cpu", "float32")}
+
+
+def run(name: str, spec: dict | None, new_tokens: int, reps: int, variants: dict = LAYOUTS) -> dict:
     kw = dict(max_model_len=64 + new_tokens + 8, max_num_seqs=1, seed=0, query_buckets=(1, 64), max_prefill_chunk=64)
     path = model_path(name)
     llms = {}
-    for layout in ("cpu", "checkpoint"):
+    for key, (layout, dtype) in variants.items():
         os.environ["SPECJAX_WEIGHT_LAYOUT"] = layout
-        llms[layout] = specjax.LLM(path, speculative_config=spec, **kw)
-        assert llms[layout].runner.cpu_weight_layout == (layout == "cpu")
+        llms[key] = specjax.LLM(path, speculative_config=spec, dtype=dtype, **kw)
+        assert llms[key].runner.cpu_weight_layout == (layout == "cpu")
     os.environ.pop("SPECJAX_WEIGHT_LAYOUT")
-    tok = llms["cpu"].tokenizer
+    first, second = variants
+    tok = llms[first].tokenizer
     prompts = token_prompts(tok, 2, 64) if tok is not None else [[5 + (i * 7 + j) % 500 for j in range(64)]
                                                                   for i in range(2)]
     params = specjax.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -67,13 +74,14 @@ def run(name: str, spec: dict | None, new_tokens: int, reps: int) -> dict:
                       for p in prompts]
             times[k].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
-    weights = llms["checkpoint"].runner.params[0]
+    weights = llms[second].runner.params[0]
+    pairs = [(a, b) for x, y in zip(ids[first], ids[second]) for a, b in zip(x, y)]
     row = {"model": name, "speculation": spec, "weight_mib": sum(x.nbytes for x in jax.tree.leaves(weights)) / 2**20,
+           "variants": {k: {"layout": v[0], "dtype": v[1]} for k, v in variants.items()},
            "tok_s": {k: len(prompts) * new_tokens / v for k, v in med.items()},
-           "cpu_layout_time_ratio": med["cpu"] / med["checkpoint"], "same_tokens": ids["cpu"] == ids["checkpoint"],
-           "times": times}
-    logger.info("%s %s: cpu layout / checkpoint layout time %.3f", name, spec and spec["method"],
-                row["cpu_layout_time_ratio"])
+           "time_ratio": med[first] / med[second], "same_tokens": ids[first] == ids[second],
+           "token_agreement": sum(a == b for a, b in pairs) / len(pairs), "times": times}
+    logger.info("%s %s: %s / %s time %.3f", name, spec and spec["method"], first, second, row["time_ratio"])
     return row
 
 
@@ -85,15 +93,18 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     draft = {"method": "draft_model", "model": "builtin:draft", "num_speculative_tokens": 4, "adaptive": False}
-    systems = [("builtin:target", None), ("builtin:target", draft), ("random30m", None), ("smollm2", None)]
-    rows = [run(name, spec, args.new_tokens, args.reps) for name, spec in systems]
+    systems = [("builtin:target", None, LAYOUTS), ("builtin:target", draft, LAYOUTS), ("random30m", None, LAYOUTS),
+               ("smollm2", None, LAYOUTS), ("smollm2", None, DTYPES)]
+    rows = [run(name, spec, args.new_tokens, args.reps, variants) for name, spec, variants in systems]
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "command": " ".join(["python"] + sys.argv),
            "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for r in rows:
-        print(f"| {r['model']} | {r['speculation'] and r['speculation']['method'] or 'plain'} | "
-              f"{r['cpu_layout_time_ratio']:.3f} | {r['same_tokens']} |")
+        first, second = r["variants"]
+        print(f"| {r['model']} | {r['speculation'] and r['speculation']['method'] or 'plain'} | {first} / {second} | "
+              f"{r['tok_s'][first]:.1f} / {r['tok_s'][second]:.1f} | {r['time_ratio']:.3f} | "
+              f"{r['same_tokens']} ({r['token_agreement']:.3f}) |")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ with logits at all K+1 positions (``verify_forward``).
 
 Two variants of the same weights, side by side in one process:
 
-* ``before``: the checkpoint layout with ``models.cpu_layout.ROWS_PATH_MAX_ROWS = 0``
-  while tracing, which is the lowering the project had before issue 14 (every
-  projection one dot against ``[in, out]`` weights);
-* ``after``: ``models.llama.to_cpu_layout`` params (fused, transposed weights)
-  and the default ``matmul_t`` (row-streaming product for 2..16 rows on CPU,
-  2..32 when the contraction is >= 1024 long).
+* ``before``: the checkpoint layout, which is the lowering the project had before
+  issue 14 (every projection one XLA dot against ``[in, out]`` weights);
+* ``after``: ``models.llama.to_cpu_layout`` params (fused weights packed into
+  32-column panels) run by the C++ panel kernel (``models/cpu_kernels/panel_matmul.cc``),
+  what the engine runs on CPU.
 
 Models: ``target`` (the shipped builtin:target, 7.5M params), ``random30m``
 (random Llama, 30M params, untied head), ``smollm2`` (SmolLM2-135M-Instruct,
@@ -62,7 +61,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models.cpu_layout as cpu_layout  # noqa: E402
+from models.cpu_kernels import panel_matmul  # noqa: E402
 import models.llama as llama  # noqa: E402
 from models.llama import LlamaConfig, forward, init_params, num_params, to_cpu_layout  # noqa: E402
 from models.loading import load_model  # noqa: E402
@@ -115,13 +114,9 @@ def param_bytes(params) -> int:
 
 
 def compile_exe(fn, args, *, variant: str, donate=(1,)):
-    """AOT-compile like the engine; ``before`` traces with the row-streaming path switched off."""
-    saved = cpu_layout.ROWS_PATH_MAX_ROWS
-    cpu_layout.ROWS_PATH_MAX_ROWS = 0 if variant == "before" else saved
-    try:
-        return jax.jit(fn, donate_argnums=donate).lower(*args).compile(compiler_options())
-    finally:
-        cpu_layout.ROWS_PATH_MAX_ROWS = saved
+    """AOT-compile like the engine (the variant lives in the params' layout)."""
+    del variant
+    return jax.jit(fn, donate_argnums=donate).lower(*args).compile(compiler_options())
 
 
 class Timer:
@@ -246,14 +241,14 @@ def bench_breakdown(name: str, batch: int, ts: list[int], context: int, reps: in
     table_width = -(-(context + max(ts)) // BLOCK_SIZE)
 
     # Each layer gets its own input, as in the model: XLA would otherwise share (and materialize) the
-    # broadcast of one input across the layers' row-streaming products.
+    # broadcast of one input across the layers' products.
     def projections(p, x):  # q/k/v/o of every layer
         out = []
         for i, name_ in enumerate(layers):
             sa = p[name_]["self_attn"]
             x = x * (1.0 + 1e-3 * i)
             if "qkv_proj" in sa:
-                qkv = llama.matmul_t(x, sa["qkv_proj"]["kernel_t"])
+                qkv = llama.matmul_p(x, sa["qkv_proj"]["kernel_p"], (h + 2 * g) * e)
                 q = qkv[..., : h * e].reshape(*x.shape[:2], h, e)
             else:
                 q = llama._Proj(h, e, c.attention_bias).apply({"params": sa["q_proj"]}, x)
@@ -321,14 +316,14 @@ def bench_micro(ms: list[int], reps: int, inner: int) -> dict:
     """The issue's microbenchmark: x [M, 2048] times a 64 MB float32 weight, before vs after."""
     k, n = 2048, 8192
     w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32) * 0.02
-    w_in_out, w_out_in = jnp.asarray(w), jnp.asarray(np.ascontiguousarray(w.T))
+    w_in_out, w_panels = jnp.asarray(w), jnp.asarray(panel_matmul.pack(w.T))
     timer = Timer(inner)
     errors = {}
     for m in ms:
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.float32)
         ref = np.asarray(x, np.float64) @ w.astype(np.float64)
         for variant, fn, wt in (("before", lambda x, w: x @ w, w_in_out),
-                                ("after", lambda x, w: llama.matmul_t(x, w), w_out_in)):
+                                ("after", lambda x, w: panel_matmul.panel_matmul(x, w, n), w_panels)):
             exe = compile_exe(fn, (x, wt), variant=variant, donate=())
             errors[f"{variant}/M{m}"] = float(np.abs(np.asarray(exe(x, wt)) - ref).max())
             timer.add(f"{variant}/M{m}", functools.partial(exe, x, wt))
@@ -367,7 +362,6 @@ def main() -> None:
                     "cpus_used": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg(),
                     "jax": jax.__version__, "backend": jax.default_backend()},
         "compiler_options": compiler_options(),
-        "rows_path_max_rows": cpu_layout.ROWS_PATH_MAX_ROWS,
         "context": args.context, "reps": args.reps, "inner": args.inner,
     }
     if args.micro:

@@ -60,7 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.llama import MLP, LlamaConfig, RMSNorm, _freeze, _OutProj, _Proj, apply_rope, lm_head_logits, rope_inv_freq
+from models.llama import (MLP, LlamaConfig, RMSNorm, _freeze, _OutProj, _Proj, apply_rope, embedding_rows,
+                          lm_head_logits, rope_inv_freq)
 
 HEAD_METHODS = ("eagle", "eagle3", "mtp", "medusa")
 FUSION_METHODS = ("eagle", "eagle3", "mtp")
@@ -388,7 +389,7 @@ def combine_hidden_states(params: Mapping[str, Any], features: jax.Array, *, con
 def head_embed(params, target_params, tokens: jax.Array, *, config: HeadConfig) -> jax.Array:
     """int tokens [B, T] -> entry embeddings [B, T, D]: the head's own table if it has one, else the target's."""
     owner = params if config.own_embedding else target_params
-    return jnp.take(owner["embed_tokens"]["embedding"], tokens, axis=0, mode="clip")
+    return embedding_rows(owner["embed_tokens"], tokens)  # the target's may be in the derived CPU layout
 
 
 def _argmax(x: jax.Array) -> jax.Array:

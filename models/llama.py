@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.cpu_layout import is_cpu_layout, matmul_t, to_cpu_layout  # noqa: F401 (re-exported)
+from models.cpu_layout import embedding_rows, is_cpu_layout, matmul_p, to_cpu_layout  # noqa: F401 (re-exported)
 from models.llama_config import (  # noqa: F401 (re-exported)
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
@@ -110,6 +110,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 _kernel_init = nn.initializers.normal(stddev=0.02)
 
 
+def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [..., K]`` times the transpose of ``w [N, K]`` -> float32 ``[..., N]`` (a tied LM head)."""
+    return jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
 class RMSNorm(nn.Module):
     """HF-exact RMSNorm: normalise in float32, cast back, then scale in the input dtype."""
 
@@ -151,8 +157,8 @@ class _OutProj(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, h, e = x.shape
-        if self.has_variable("params", "kernel_t"):  # derived CPU layout: [D, H*E]
-            y = matmul_t(x.reshape(b, t, h * e), self.get_variable("params", "kernel_t"))  # [B, T, D]
+        if self.has_variable("params", "kernel_p"):  # derived CPU layout: panels of [D, H*E]
+            y = matmul_p(x.reshape(b, t, h * e), self.get_variable("params", "kernel_p"), self.d)  # [B, T, D]
         else:
             kernel = self.param("kernel", _kernel_init, (h, e, self.d), self.param_dtype)  # [H, E, D]
             # One [H*E, D] GEMM: XLA:CPU runs a dot with two contracting dims ~3x slower at small batch.
@@ -170,8 +176,8 @@ class _Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.has_variable("params", "kernel_t"):  # derived CPU layout: [O, I]
-            return matmul_t(x, self.get_variable("params", "kernel_t"))
+        if self.has_variable("params", "kernel_p"):  # derived CPU layout: panels of [O, I]
+            return matmul_p(x, self.get_variable("params", "kernel_p"), self.features)
         kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.features), self.param_dtype)  # [I, O]
         return jnp.einsum("bti,io->bto", x, kernel.astype(x.dtype))
 
@@ -194,7 +200,7 @@ class Attention(nn.Module):
         h, g, e = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         if self.has_variable("params", "qkv_proj"):  # derived CPU layout: one [(H+2G)*E, D] product
             fused = self.get_variable("params", "qkv_proj")
-            qkv = matmul_t(x, fused["kernel_t"])  # [B, T, (H+2G)*E]
+            qkv = matmul_p(x, fused["kernel_p"], (h + 2 * g) * e)  # [B, T, (H+2G)*E]
             if c.attention_bias:
                 qkv = qkv + fused["bias"].astype(x.dtype)
             b, t = x.shape[:2]
@@ -230,7 +236,8 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
         c, pd = self.config, self.param_dtype
         if self.has_variable("params", "gate_up_proj"):  # derived CPU layout: one [2F, D] product
-            gate_up = matmul_t(x, self.get_variable("params", "gate_up_proj")["kernel_t"])  # [B, T, 2F]
+            gate_up = matmul_p(x, self.get_variable("params", "gate_up_proj")["kernel_p"],
+                               2 * c.intermediate_size)  # [B, T, 2F]
             gate, up = jnp.split(gate_up, 2, axis=-1)  # [B, T, F] each
         else:
             gate = _Dense(c.intermediate_size, pd, name="gate_proj")(x)  # [B, T, F]
@@ -261,16 +268,24 @@ class Embed(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self) -> None:
-        self.embedding = self.param(
-            "embedding", nn.initializers.normal(stddev=0.02), (self.num_embeddings, self.features), self.param_dtype
-        )  # [V, D]
+        if self.has_variable("params", "embedding_p"):  # derived CPU layout (tied): panels of [V, D]
+            self.panels = self.get_variable("params", "embedding_p")
+        else:
+            self.embedding = self.param(
+                "embedding", nn.initializers.normal(stddev=0.02), (self.num_embeddings, self.features),
+                self.param_dtype
+            )  # [V, D]
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # int [B, T] -> [B, T, D]
-        # clip: garbage ids in padding positions must not turn into NaN rows.
-        return jnp.take(self.embedding, tokens, axis=0, mode="clip")
+        # ids are clipped: garbage ids in padding positions must not turn into NaN rows.
+        if self.has_variable("params", "embedding_p"):
+            return embedding_rows({"embedding_p": self.panels}, tokens)
+        return embedding_rows({"embedding": self.embedding}, tokens)
 
     def attend(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> float32 [B, L, V] (tied LM head)
-        return matmul_t(x, self.embedding, out_dtype=jnp.float32)  # the embedding is already [V, D]
+        if self.has_variable("params", "embedding_p"):
+            return matmul_p(x, self.panels, self.num_embeddings, out_dtype=jnp.float32)
+        return _dot_t(x, self.embedding)  # the embedding is already [V, D]
 
 
 class LMHead(nn.Module):
@@ -279,8 +294,8 @@ class LMHead(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> float32 [B, L, V]
-        if self.has_variable("params", "kernel_t"):  # derived CPU layout: [V, D]
-            return matmul_t(x, self.get_variable("params", "kernel_t"), out_dtype=jnp.float32)
+        if self.has_variable("params", "kernel_p"):  # derived CPU layout: panels of [V, D]
+            return matmul_p(x, self.get_variable("params", "kernel_p"), self.vocab_size, out_dtype=jnp.float32)
         kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.vocab_size), self.param_dtype)  # [D, V]
         return jnp.einsum("bld,dv->blv", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
 
@@ -387,10 +402,14 @@ def forward_features(
 
 def lm_head_logits(params: Mapping[str, Any], hidden: jax.Array, *, config: LlamaConfig) -> jax.Array:
     """float32 logits [B, L, V] of final-normed ``hidden [B, L, D]`` (for heads that reuse the LM head)."""
+    v = config.vocab_size
     if config.tie_word_embeddings:
-        return matmul_t(hidden, params["embed_tokens"]["embedding"], out_dtype=jnp.float32)  # [V, D]
-    if "kernel_t" in params["lm_head"]:  # derived CPU layout
-        return matmul_t(hidden, params["lm_head"]["kernel_t"], out_dtype=jnp.float32)  # [V, D]
+        embed = params["embed_tokens"]
+        if "embedding_p" in embed:  # derived CPU layout
+            return matmul_p(hidden, embed["embedding_p"], v, out_dtype=jnp.float32)
+        return _dot_t(hidden, embed["embedding"])  # [V, D]
+    if "kernel_p" in params["lm_head"]:  # derived CPU layout
+        return matmul_p(hidden, params["lm_head"]["kernel_p"], v, out_dtype=jnp.float32)
     w = params["lm_head"]["kernel"]  # [D, V]
     return jnp.einsum("bld,dv->blv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 

@@ -13,11 +13,12 @@ traced, i.e. at its first compile):
     auto: the V-tiled fused Pallas rejection kernel on TPU; the batched XLA path
     on GPU (until the device check shows the kernel faster there) and CPU.
 ``SPECJAX_WEIGHT_LAYOUT``  ``auto`` (default) | ``checkpoint`` | ``cpu``
-    auto: an unsharded model of at least ``CPU_LAYOUT_MIN_BYTES`` of weights on CPU
-    devices runs in ``models.llama.to_cpu_layout`` (fused, transposed weights that
-    XLA:CPU streams once for a K+1-token verify, issue 14); smaller models, sharded
-    models and other platforms keep the checkpoint layout. ``cpu`` converts every
-    unsharded CPU model and refuses where it does not apply; ``checkpoint`` never converts.
+    auto: a model on one CPU device runs in ``models.cpu_layout`` (fused weights
+    packed into panels that the C++ kernel ``models/cpu_kernels/panel_matmul.cc``
+    streams once for a K+1-token verify, issue 14) when that kernel builds here;
+    models on several devices, other platforms and machines without a C++ compiler
+    keep the checkpoint layout. ``cpu`` is ``auto`` that refuses where it does not
+    apply or the kernel is missing; ``checkpoint`` never converts.
 
 The engine, the sampler front end and the model never test the platform themselves.
 """
@@ -33,11 +34,6 @@ SAMPLER_ENV = "SPECJAX_SAMPLER_BACKEND"
 LAYOUT_ENV = "SPECJAX_WEIGHT_LAYOUT"
 CHOICES = ("auto", "xla", "pallas")
 LAYOUTS = ("auto", "checkpoint", "cpu")
-CPU_LAYOUT_MIN_BYTES = 256 << 20
-"""Smallest model (bytes of weights) ``auto`` converts. Measured side by side in the engine
-(benchmarks/bench_layout.py, 2026-12-03): greedy decoding of SmolLM2-135M (513 MiB) took 0.88x the time in the
-derived layout, the shipped 7.5M target (29 MiB) 1.10x (plain) and 1.04x (draft_model K=4), a random 30M
-Llama (116 MiB) 1.11x; weights that stay in the last-level cache gain nothing from being streamed once."""
 
 # Attention implementations (specjax.attention dispatches on these names).
 XLA = "xla"
@@ -86,19 +82,31 @@ def sampler_kernel_platform() -> str:
     return "tpu" if platform() == "tpu" else "gpu"
 
 
-def use_cpu_weight_layout(devices, tp: int, weight_bytes: int) -> bool:
-    """Whether a model of ``weight_bytes`` placed on ``devices`` and split ``tp`` ways runs in the derived CPU
-    weight layout."""
+def use_cpu_weight_layout(devices) -> bool:
+    """Whether a model placed on ``devices`` runs in the derived CPU weight layout (module doc).
+
+    Only a model on one CPU device: the panel kernel is a custom call with no sharding rule. Measured
+    side by side in the engine (benchmarks/bench_layout.py, 2026-12-04), greedy decoding took 0.76-0.87x the
+    time in that layout for every model tried, the shipped 7.5M target (plain and draft_model K=4) to
+    SmolLM2-135M, so ``auto`` has no size threshold."""
     value = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
     if value not in LAYOUTS:
         raise ValueError(f"{LAYOUT_ENV} must be one of {LAYOUTS}, got {value!r}")
-    applies = tp == 1 and all(d.platform == "cpu" for d in devices)
+    devices = list(devices)
+    applies = len(devices) == 1 and devices[0].platform == "cpu"
     if value == "cpu" and not applies:
-        raise ValueError(f"{LAYOUT_ENV}=cpu needs an unsharded model on CPU devices, got tp={tp} on "
+        raise ValueError(f"{LAYOUT_ENV}=cpu needs a model on one CPU device, got {len(devices)} device(s) on "
                          f"{sorted({d.platform for d in devices})}")
-    if value == "auto":
-        return applies and weight_bytes >= CPU_LAYOUT_MIN_BYTES
-    return value == "cpu"
+    if value == "checkpoint" or not applies:
+        return False
+    from models.cpu_kernels.panel_matmul import available  # builds the kernel on first use (cpu_kernels.build)
+
+    if available():
+        return True
+    if value == "cpu":
+        raise ValueError(f"{LAYOUT_ENV}=cpu needs the C++ panel-matmul kernel, which could not be built here "
+                         "(a C++ compiler is needed once; the log says what failed)")
+    return False
 
 
 def describe() -> dict[str, str]:

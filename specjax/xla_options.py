@@ -2,17 +2,19 @@
 
 :func:`compiler_options` is passed to ``Lowered.compile`` for every engine
 executable (``specjax.buckets.CompiledBuckets``). It returns None today: on
-XLA:CPU no option made a (K+1)-token verify step cheaper than the derived CPU
-weight layout does (``models.llama.to_cpu_layout`` + ``matmul_t``, issue 14),
-and the ones that change the dot path also switch that layout's fast kernel
-off. What was measured (jaxlib 0.10.2, 2-core x86_64 with AVX-512; numbers in
-benchmarks/README.md, "Verify cost on CPU"):
+XLA:CPU no option made a (K+1)-token verify step cheaper, which is why the
+derived CPU weight layout runs its projections through a C++ custom call instead
+(``models.cpu_layout`` + ``models/cpu_kernels/panel_matmul.cc``, issue 14; XLA
+options do not reach that kernel). What was measured before the kernel existed,
+against the layout's earlier XLA formulation (a broadcast multiply summed over
+the contraction, "row-streaming"; jaxlib 0.10.2, 2-core x86_64 with AVX-512;
+numbers in benchmarks/README.md, "Verify cost on CPU"):
 
 * ``xla_cpu_experimental_ynn_fusion_type``: values are the enum names
   ``LIBRARY_FUSION_TYPE_{DOT,ELTWISE,REDUCE,INDIVIDUAL_DOT,INDIVIDUAL_CONVOLUTION}``
   (one value as a compile option; XLA_FLAGS also takes comma lists and +/-
   prefixes). By default this jaxlib sends every dot with 2+ rows, and the
-  broadcast-multiply-reduce that ``matmul_t`` emits, to YNNPACK. Setting it to
+  broadcast-multiply-reduce of the row-streaming formulation, to YNNPACK. Setting it to
   ``""`` (accepted, with a logged "Unsupported fusion type: 0") sends dots to
   Eigen instead: on a 64 MB weight 5 rows cost ~1.6x one row instead of ~2.5x,
   but it also removes the row-streaming kernel (~1.1x there), so it is not set.

@@ -133,7 +133,7 @@ def test_shardings_follow_the_plan(tp_run):
     # The draft gets the same plan: split with the target by default, whole on every device at draft tp 1.
     assert sh["tp2_dp1_draft_model"]["draft_q_proj"] == "(None, 'tp', None)"
     assert sh["tp2_dp1_draft_model"]["draft_kv_cache"] == "(None, 'tp', None)"
-    # Whole on every device (a model this small keeps the checkpoint layout; specjax.backends.CPU_LAYOUT_MIN_BYTES).
+    # Whole on every device (several devices keep the checkpoint layout; specjax.backends.use_cpu_weight_layout).
     assert sh["tp2_dp1_draft_model_tp1"]["draft_q_proj"] == "(None, None, None)"
     assert sh["tp2_dp1_draft_model_tp1"]["draft_kv_cache"] == "(None, None, None)"
 

@@ -1,19 +1,19 @@
-"""The CPU verify path of issue 14: ``models.llama.to_cpu_layout`` + ``matmul_t``.
+"""The CPU verify path of issue 14: ``models.cpu_layout.to_cpu_layout`` + the C++ panel kernel.
 
 * The derived layout gives transformers' logits and greedy tokens (prefill, a
-  5-token verify chunk, 2-row decode steps: the dot path and the row-streaming
-  path both run).
-* The executable the engine compiles for a (K+1)-token verify step on CPU
-  (``CompiledBuckets`` with ``compiler_options()``) streams every projection
-  weight through a YNNPACK row-reduction fusion and contains no dot; the 1-token
-  step keeps the GEMV dots; another platform's lowering keeps plain dots.
+  5-token verify chunk, 2-row decode steps).
+* The executables the engine compiles on CPU (``CompiledBuckets`` with
+  ``compiler_options()``) run every projection and the LM head through the
+  panel kernel's custom call, for a (K+1)-token verify and a one-token step.
+* The engine picks the layout per ``SPECJAX_WEIGHT_LAYOUT``; it cannot be sharded.
+The kernel itself is tested against its numpy reference in test_cpu_kernels.py.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +36,17 @@ from test_models import (  # noqa: E402
 )
 from tiny_models import load_hf_torch_model, make_tiny_checkpoint  # noqa: E402
 
-import models.llama as llama  # noqa: E402
-from models.llama import LlamaConfig, forward, init_params, is_cpu_layout, lm_head_logits, to_cpu_layout  # noqa: E402
+from models.cpu_kernels.build import TARGET  # noqa: E402
+from models.cpu_kernels.panel_matmul import unpack  # noqa: E402
+from models.llama import (  # noqa: E402
+    LlamaConfig,
+    embedding_rows,
+    forward,
+    init_params,
+    is_cpu_layout,
+    lm_head_logits,
+    to_cpu_layout,
+)
 from models.loading import load_hf_model, read_generation_eos  # noqa: E402
 from specjax.buckets import CompiledBuckets  # noqa: E402
 from specjax.kv_cache import AttentionMetadata, KVCache  # noqa: E402
@@ -57,7 +66,7 @@ def case(request, tmp_path_factory):
 
 
 def test_cpu_layout_logits_match_transformers(case):
-    """Prefill (32 rows: dot), a 5-token verify chunk of one row (row-streaming), then 2-row decode steps."""
+    """Prefill (32 rows), a 5-token verify chunk of one row, then 2-row decode steps."""
     _, _, c, params, cpu_params, hf, prompts = case
     assert is_cpu_layout(cpu_params) and not is_cpu_layout(params)
     refs = [hf_logits(hf, p) for p in prompts]
@@ -106,24 +115,37 @@ def test_to_cpu_layout_shapes_dtypes_and_refusal():
     cpu = to_cpu_layout(params, c)
     layer, src = cpu["layers_1"], params["layers_1"]
     h, g, e = 4, 2, 12
-    assert layer["self_attn"]["qkv_proj"]["kernel_t"].shape == ((h + 2 * g) * e, 32)
+    assert layer["self_attn"]["qkv_proj"]["kernel_p"].shape == (3, 32, 32)  # (H+2G)*E = 96 outputs
     assert layer["self_attn"]["qkv_proj"]["bias"].shape == ((h + 2 * g) * e,)
-    assert layer["self_attn"]["o_proj"]["kernel_t"].shape == (32, h * e)
-    assert layer["mlp"]["gate_up_proj"]["kernel_t"].shape == (96, 32)
-    assert layer["mlp"]["down_proj"]["kernel_t"].shape == (32, 48)
-    assert cpu["lm_head"]["kernel_t"].shape == (96, 32)
+    assert layer["self_attn"]["o_proj"]["kernel_p"].shape == (1, h * e, 32)
+    assert layer["mlp"]["gate_up_proj"]["kernel_p"].shape == (3, 32, 32)
+    assert layer["mlp"]["down_proj"]["kernel_p"].shape == (1, 48, 32)
+    assert cpu["lm_head"]["kernel_p"].shape == (3, 32, 32)
     assert {x.dtype for x in jax.tree_util.tree_leaves(cpu)} == {jnp.dtype(jnp.bfloat16)}
-    # Values: rows are the transposed checkpoint columns, in q, k, v / gate, up order.
-    qkv = np.asarray(layer["self_attn"]["qkv_proj"]["kernel_t"], np.float32)
+    # Values: unpacked panels are the transposed checkpoint columns, in q, k, v / gate, up order.
+    qkv = unpack(np.asarray(layer["self_attn"]["qkv_proj"]["kernel_p"], np.float32), 96)
     np.testing.assert_array_equal(qkv[h * e : (h + g) * e], np.asarray(src["self_attn"]["k_proj"]["kernel"],
                                                                       np.float32).reshape(32, -1).T)
-    gate_up = np.asarray(layer["mlp"]["gate_up_proj"]["kernel_t"], np.float32)
+    gate_up = unpack(np.asarray(layer["mlp"]["gate_up_proj"]["kernel_p"], np.float32), 96)
     np.testing.assert_array_equal(gate_up[48:], np.asarray(src["mlp"]["up_proj"]["kernel"], np.float32).T)
     np.testing.assert_array_equal(np.asarray(layer["self_attn"]["q_norm"]["scale"]),
                                   np.asarray(src["self_attn"]["q_norm"]["scale"]))
     assert layer["self_attn"]["o_proj"]["bias"] is src["self_attn"]["o_proj"]["bias"]
     with pytest.raises(ValueError, match="already in the CPU layout"):
         to_cpu_layout(cpu, c)
+
+
+def test_tied_embedding_is_packed_once_and_looked_up_from_the_panels():
+    c = LlamaConfig(vocab_size=70, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
+    params = init_params(c, jax.random.key(3))
+    cpu = to_cpu_layout(params, c)
+    assert set(cpu["embed_tokens"]) == {"embedding_p"} and cpu["embed_tokens"]["embedding_p"].shape == (3, 16, 32)
+    table = np.asarray(params["embed_tokens"]["embedding"])  # [V, D]
+    ids = jnp.asarray([[0, 31, 32, 69], [69, 5, -3, 7]], jnp.int32)  # a negative (padding) id reads row 0
+    np.testing.assert_array_equal(np.asarray(embedding_rows(cpu["embed_tokens"], ids)),
+                                  table[np.clip(np.asarray(ids), 0, 69)])
+    assert np.isfinite(np.asarray(embedding_rows(cpu["embed_tokens"], jnp.asarray([[500]])))).all()
 
 
 # --------------------------------------------------------------------------- which kernels run
@@ -153,59 +175,24 @@ def _entry(text: str) -> str:
     return text.split("\nENTRY ")[1]
 
 
-def _weight_ynn_fusions(entry: str) -> list[str]:
-    """YNNPACK custom fusions (in the entry computation) with a derived-layout weight or the embedding as operand."""
-    return [line for line in entry.splitlines() if "__ynn_fusion" in line and "kind=kCustom" in line
-            and re.search(r"kernel_t|embedding", line.split("fusion(", 1)[1].split(")", 1)[0])]
+def _panel_calls(entry: str) -> list[str]:
+    return [line for line in entry.splitlines() if "custom-call(" in line and f'"{TARGET}"' in line]
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the XLA:CPU lowering")
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the XLA:CPU executable")
 @pytest.mark.parametrize("tied", [True, False])
-def test_engine_verify_executable_streams_every_weight_on_cpu(tied):
+def test_engine_executables_run_every_projection_through_the_panel_kernel_on_cpu(tied):
     c = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
     params = init_params(c, jax.random.key(1))
     cpu = to_cpu_layout(params, c)
     weights = 4 * c.num_hidden_layers + 1  # qkv, o, gate_up, down per layer + the LM head
-
-    verify = _entry(_engine_compiled_text(c, cpu, 5))  # K = 4: 5 query tokens
-    assert len(_weight_ynn_fusions(verify)) == weights, verify
-    assert " dot(" not in verify
-
-    decode = _entry(_engine_compiled_text(c, cpu, 1))  # the 1-token step keeps one GEMV per weight
-    assert len(re.findall(r" dot\(", decode)) == weights
-    assert not _weight_ynn_fusions(decode)
-
-    # Checkpoint layout: the projections keep the GEMM path; only a tied head (already [V, D]) is streamed.
-    before = _entry(_engine_compiled_text(c, params, 5))
-    assert len(_weight_ynn_fusions(before)) == (1 if tied else 0)
-
-
-def test_other_platforms_lower_matmul_t_to_one_dot():
-    x = jnp.ones((5, 64), jnp.float32)
-    w_t = jnp.ones((96, 64), jnp.float32)
-    traced = jax.jit(llama.matmul_t).trace(x, w_t)
-    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert "dot_general" in cuda and "reduce" not in cuda
-    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
-    assert "reduce" in cpu and "dot_general" not in cpu
-    np.testing.assert_allclose(llama.matmul_t(x, w_t), np.full((5, 96), 64.0), rtol=1e-6)
-
-
-@pytest.mark.parametrize(
-    "m,k,streamed",
-    [(1, 64, False), (2, 64, True), (5, 64, True), (16, 64, True), (17, 64, False), (24, 1024, True),
-     (32, 1024, True), (33, 1024, False)],
-)
-def test_matmul_t_path_by_rows_and_contraction(m, k, streamed):
-    """Row-streaming for 2..16 rows (2..32 when K >= 1024) on CPU, one dot otherwise; same values either way."""
-    rng = np.random.default_rng(m * k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    w_t = jnp.asarray(rng.standard_normal((40, k)), jnp.float32)
-    text = jax.jit(llama.matmul_t).trace(x, w_t).lower(lowering_platforms=("cpu",)).as_text()
-    assert ("dot_general" not in text) == streamed and ("reduce" in text) == streamed
-    expected = np.asarray(x, np.float64) @ np.asarray(w_t, np.float64).T
-    np.testing.assert_allclose(np.asarray(llama.matmul_t(x, w_t)), expected, rtol=1e-5, atol=1e-4)
+    for t in (5, 1):  # a K = 4 verify and a one-token step: the same kernel, no dot left
+        entry = _entry(_engine_compiled_text(c, cpu, t))
+        assert len(_panel_calls(entry)) == weights, entry
+        assert " dot(" not in entry
+    before = _entry(_engine_compiled_text(c, params, 5))  # checkpoint layout: XLA's own kernels
+    assert not _panel_calls(before) and "custom-call(" not in before
 
 
 # --------------------------------------------------------------------------- what the engine runs
@@ -213,19 +200,22 @@ def test_matmul_t_path_by_rows_and_contraction(m, k, streamed):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the layout choice for CPU devices")
 def test_engine_runs_the_cpu_layout_on_cpu_and_the_checkpoint_layout_when_asked(tmp_path, monkeypatch):
-    """On CPU (tp 1) the engine's target and draft model run in the derived layout when asked
-    (SPECJAX_WEIGHT_LAYOUT=cpu), giving the same greedy tokens as the checkpoint layout; ``auto`` leaves a model
-    this small in the checkpoint layout; layout names are checked."""
+    """On one CPU device the engine's target and draft model run in the derived layout (``auto`` and ``cpu``),
+    giving the same greedy tokens as the checkpoint layout; several devices keep the checkpoint layout (``cpu``
+    refuses them); layout names are checked."""
     import specjax
-    from specjax.backends import CPU_LAYOUT_MIN_BYTES, use_cpu_weight_layout
+    from specjax.backends import use_cpu_weight_layout
 
-    cpus = jax.devices("cpu")[:1]
+    cpu, two_cpus, gpu = jax.devices("cpu")[:1], [SimpleNamespace(platform="cpu")] * 2, [SimpleNamespace(platform="gpu")]
     monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", "auto")
-    assert not use_cpu_weight_layout(cpus, 1, CPU_LAYOUT_MIN_BYTES - 1)
-    assert use_cpu_weight_layout(cpus, 1, CPU_LAYOUT_MIN_BYTES)
-    assert not use_cpu_weight_layout(cpus, 2, CPU_LAYOUT_MIN_BYTES)  # sharded: never
+    assert use_cpu_weight_layout(cpu)
+    assert not use_cpu_weight_layout(two_cpus) and not use_cpu_weight_layout(gpu)
     monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", "cpu")
-    assert use_cpu_weight_layout(cpus, 1, 1)
+    for devices in (two_cpus, gpu):
+        with pytest.raises(ValueError, match="one CPU device"):
+            use_cpu_weight_layout(devices)
+    monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", "checkpoint")
+    assert not use_cpu_weight_layout(cpu)
 
     d = make_tiny_checkpoint(tmp_path / "m", "llama", num_heads=4, num_kv_heads=2)
     spec = {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3, "adaptive": False}
@@ -236,7 +226,7 @@ def test_engine_runs_the_cpu_layout_on_cpu_and_the_checkpoint_layout_when_asked(
         monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", layout)
         llm = specjax.LLM(str(d), speculative_config=spec, max_model_len=64, max_num_seqs=2, warmup=False)
         target, (draft, _) = llm.runner.params
-        assert llm.runner.cpu_weight_layout == is_cpu_layout(target) == is_cpu_layout(draft) == (layout == "cpu")
+        assert llm.runner.cpu_weight_layout == is_cpu_layout(target) == is_cpu_layout(draft) == (layout != "checkpoint")
         runs[layout] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert runs["cpu"] == runs["auto"] == runs["checkpoint"]
     monkeypatch.setenv("SPECJAX_WEIGHT_LAYOUT", "fused")
@@ -252,5 +242,5 @@ def test_cpu_layout_cannot_be_sharded():
     cpu = to_cpu_layout(init_params(c, jax.random.key(0)), c)
     assert all(all(a is None for a in s) for s in jax.tree.leaves(
         param_partition_specs(cpu, c, tp=1), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
-    with pytest.raises(ValueError, match="kernel_t is in the one-device CPU layout"):
+    with pytest.raises(ValueError, match="kernel_p is in the one-device CPU layout"):
         param_partition_specs(cpu, c, tp=2)

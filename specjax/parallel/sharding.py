@@ -98,9 +98,10 @@ def param_partition_specs(params: Any, config: LlamaConfig, *, tp: int) -> Any:
         ("down_proj", "kernel"): P(ffn, None),
     }
     norms = {"input_layernorm", "post_attention_layernorm", "norm", "q_norm", "k_norm"}
-    # models.llama.to_cpu_layout's fused, transposed weights: for one device only.
-    cpu_layout = {("qkv_proj", "kernel_t"), ("qkv_proj", "bias"), ("o_proj", "kernel_t"),
-                  ("gate_up_proj", "kernel_t"), ("down_proj", "kernel_t"), ("lm_head", "kernel_t")}
+    # models.cpu_layout's fused weight panels: for one device only.
+    cpu_layout = {("qkv_proj", "kernel_p"), ("qkv_proj", "bias"), ("o_proj", "kernel_p"),
+                  ("gate_up_proj", "kernel_p"), ("down_proj", "kernel_p"), ("lm_head", "kernel_p"),
+                  ("embed_tokens", "embedding_p")}
 
     def spec(path, leaf) -> P:
         names = tuple(getattr(k, "key", str(k)) for k in path)
@@ -153,11 +154,9 @@ class ShardingPlan:
         return NamedSharding(self.mesh, P())
 
     def layout(self, params: Any, config: LlamaConfig) -> Any:
-        """``params`` in the layout this plan runs them in: ``models.cpu_layout``'s when unsharded on CPU
-        devices and large enough (``specjax.backends.use_cpu_weight_layout``), else as given. Converting copies
-        the weights."""
-        nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-        if use_cpu_weight_layout(self.mesh.devices.flat, self.tp, nbytes) and not is_cpu_layout(params):
+        """``params`` in the layout this plan runs them in: ``models.cpu_layout``'s on a one-CPU-device mesh
+        (``specjax.backends.use_cpu_weight_layout``), else as given. Converting copies the weights."""
+        if use_cpu_weight_layout(self.mesh.devices.flat) and not is_cpu_layout(params):
             return to_cpu_layout(params, config)
         return params
 

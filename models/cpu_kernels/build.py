@@ -1,0 +1,95 @@
+"""Builds the C++ CPU kernels on the machine that runs them, caches the library, registers it with XLA.
+
+The source is compiled once per (source, compiler, jaxlib, CPU) with ``-march=native`` into
+``$SPECJAX_CACHE_DIR/cpu_kernels`` (default ``~/.cache/specjax/cpu_kernels``); later processes load the
+cached file in milliseconds. The build is atomic (temporary file, then rename), so parallel test workers
+or jobs sharing a cache directory never load a half-written library. Without a C++ compiler
+(``$CXX``, else ``c++``/``g++``/``clang++``) or the XLA FFI headers, :func:`load` returns None and says why
+in the log; callers then keep XLA's own kernels (``specjax.backends.use_cpu_weight_layout``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("panel_matmul.cc")
+TARGET = "specjax_panel_matmul"
+"""XLA custom-call target name of the panel matmul (what compiled HLO calls)."""
+FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC")
+CACHE_ENV = "SPECJAX_CACHE_DIR"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and flags (a shared cache dir may span machines)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+    return Path(root) / "cpu_kernels"
+
+
+def _build(cxx: str, out: Path) -> None:
+    include = jax.ffi.include_dir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+        logger.info("building the CPU kernels (once per machine): %s", " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> str | None:
+    """Build (or find) and register the kernels; the custom-call target name, or None when unavailable."""
+    cxx = _compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): the CPU panel-matmul kernel is off")
+        return None
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join(
+        [SOURCE.read_text(), " ".join(FLAGS), version, jaxlib.__version__, platform.machine(), _cpu_signature()]
+    ).encode()).hexdigest()[:16]
+    lib_path = cache_dir() / f"panel_matmul-{key}.so"
+    try:
+        if not lib_path.exists():
+            _build(cxx, lib_path)
+        lib = ctypes.cdll.LoadLibrary(str(lib_path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxPanelMatmul), platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        logger.warning("the CPU panel-matmul kernel is off: %s", e)
+        return None
+    return TARGET

@@ -1,0 +1,94 @@
+"""``x @ W.T`` on the CPU with ``W`` packed once into 32-column panels: the call wrapper, the validated entry,
+the packing, and an independent numpy reference. The kernel body is ``panel_matmul.cc`` (why it exists: its
+header comment and benchmarks/README.md, "Verify cost on CPU").
+
+Panel layout of a ``[N, K]`` weight (``W[n, k]`` multiplies input feature k into output n)::
+
+    w_p [P, K, 32] with P = ceil(N / 32):  w_p[p, k, j] = W[32 p + j, k]   (rows past N are zero)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.cpu_kernels import build
+
+PANEL = 32
+"""Output columns per panel (two 16-lane float32 vectors; fixed in panel_matmul.cc)."""
+DTYPES = (jnp.float32, jnp.bfloat16)
+"""Weight dtypes the kernel reads (it always accumulates in float32)."""
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered here (builds it on first call; see :mod:`models.cpu_kernels.build`)."""
+    return build.load() is not None
+
+
+def pack(w: Any, dtype: Any = None) -> np.ndarray:
+    """``[N, K]`` (output-major) weight -> panels ``[ceil(N/32), K, 32]`` on the host; ``dtype`` defaults to w's."""
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"pack wants a [N, K] weight, got shape {w.shape}")
+    n, k = w.shape
+    p = -(-n // PANEL)
+    padded = np.zeros((p * PANEL, k), w.dtype)
+    padded[:n] = w
+    out = padded.reshape(p, PANEL, k).transpose(0, 2, 1)  # [P, K, 32]
+    return np.ascontiguousarray(out if dtype is None else np.asarray(jnp.asarray(out).astype(dtype)))
+
+
+def unpack(w_p: Any, n: int) -> np.ndarray:
+    """Inverse of :func:`pack`: panels -> the ``[n, K]`` weight."""
+    w_p = np.asarray(w_p)
+    p, k, _ = w_p.shape
+    return np.ascontiguousarray(w_p.transpose(0, 2, 1).reshape(p * PANEL, k)[:n])
+
+
+def rows(w_p: jax.Array, idx: jax.Array) -> jax.Array:
+    """Rows ``W[idx]`` ``[..., K]`` read from the panels (an embedding lookup on a packed tied embedding).
+
+    Ids are clipped into the panels, so a garbage id in a padding position reads a finite row (row 0 for a
+    negative id, as ``jnp.take(mode="clip")``; an id past N may read a zero padding row instead of the last).
+    """
+    idx = jnp.clip(idx, 0, w_p.shape[0] * PANEL - 1)
+    return w_p[idx // PANEL, :, idx % PANEL]  # [..., K]
+
+
+def _call(x2: jax.Array, w_p: jax.Array) -> jax.Array:
+    """pallas_call's counterpart: ``[M, K] f32 x [P, K, 32] -> f32 [M, 32 P]`` through the XLA FFI."""
+    out = jax.ShapeDtypeStruct((x2.shape[0], w_p.shape[0] * PANEL), jnp.float32)
+    return jax.ffi.ffi_call(build.TARGET, out)(x2, w_p)
+
+
+def panel_matmul(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None) -> jax.Array:
+    """``x [..., K]`` times ``W.T`` for ``W [n, K]`` packed as ``w_p`` -> ``[..., n]`` in ``out_dtype`` (x's).
+
+    Accumulates in float32. CPU only (an XLA custom call); raises RuntimeError if the kernel could not be
+    built here (:func:`available` says so beforehand).
+    """
+    if w_p.ndim != 3 or w_p.shape[2] != PANEL:
+        raise ValueError(f"w_p must be panels [P, K, {PANEL}], got shape {w_p.shape}")
+    if x.shape[-1] != w_p.shape[1]:
+        raise ValueError(f"x's last dim {x.shape[-1]} != the panels' K {w_p.shape[1]}")
+    if not 0 < n <= w_p.shape[0] * PANEL or n <= (w_p.shape[0] - 1) * PANEL:
+        raise ValueError(f"n={n} does not fit {w_p.shape[0]} panels of {PANEL} columns")
+    if w_p.dtype not in DTYPES:
+        raise ValueError(f"w_p must be float32 or bfloat16, got {w_p.dtype}")
+    if not available():
+        raise RuntimeError("the CPU panel-matmul kernel is not available here (see the log for why)")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = _call(x.reshape(math.prod(lead), k).astype(jnp.float32), w_p)  # [M, 32 P]
+    return y[:, :n].astype(out_dtype).reshape(*lead, n)  # [..., n]
+
+
+def reference(x: Any, w_p: Any, n: int) -> np.ndarray:
+    """float64 numpy ``x @ W.T`` from the unpacked weight (independent of the kernel's loop order)."""
+    w = unpack(np.asarray(w_p).astype(np.float32), n)  # [n, K]
+    x = np.asarray(x, np.float64)
+    return x @ w.astype(np.float64).T
