@@ -113,9 +113,8 @@ def param_bytes(params) -> int:
 # --------------------------------------------------------------------------- timing
 
 
-def compile_exe(fn, args, *, variant: str, donate=(1,)):
-    """AOT-compile like the engine (the variant lives in the params' layout)."""
-    del variant
+def compile_exe(fn, args, *, donate=(1,)):
+    """AOT-compile like the engine (before/after differ only in the params' layout)."""
     return jax.jit(fn, donate_argnums=donate).lower(*args).compile(compiler_options())
 
 
@@ -194,7 +193,7 @@ def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps
             p = layouts[variant]
             for t in [1] + [k + 1 for k in ks]:
                 inputs = step_inputs(batch, t, context, table_width)
-                exe = compile_exe(make_step(config, t), (p, cache["kv"], *inputs), variant=variant)
+                exe = compile_exe(make_step(config, t), (p, cache["kv"], *inputs))
 
                 def call(exe=exe, p=p, inputs=inputs):
                     logits, cache["kv"] = exe(p, cache["kv"], *inputs)
@@ -284,12 +283,12 @@ def bench_breakdown(name: str, batch: int, ts: list[int], context: int, reps: in
         for variant in VARIANTS:
             p = layouts[variant]
             for part, fn in (("projections", projections), ("mlp", mlp), ("lm_head", head)):
-                exe = compile_exe(fn, (p, x), variant=variant, donate=())
+                exe = compile_exe(fn, (p, x), donate=())
                 timer.add(f"{variant}/{part}/T{t}", functools.partial(exe, p, x))
         q = jnp.asarray(rng.standard_normal((batch, t, h, e)), jnp.float32)
         kv = jnp.asarray(rng.standard_normal((batch, t, g, e)), jnp.float32)
         tokens, positions, slots, tables = step_inputs(batch, t, context, table_width)
-        exe = compile_exe(attention, (cache["kv"], q, kv, kv, positions, slots, tables), variant="after", donate=(0,))
+        exe = compile_exe(attention, (cache["kv"], q, kv, kv, positions, slots, tables), donate=(0,))
 
         def call(exe=exe, args=(q, kv, kv, positions, slots, tables)):
             out, cache["kv"] = exe(cache["kv"], *args)
@@ -324,7 +323,7 @@ def bench_micro(ms: list[int], reps: int, inner: int) -> dict:
         ref = np.asarray(x, np.float64) @ w.astype(np.float64)
         for variant, fn, wt in (("before", lambda x, w: x @ w, w_in_out),
                                 ("after", lambda x, w: panel_matmul.panel_matmul(x, w, n), w_panels)):
-            exe = compile_exe(fn, (x, wt), variant=variant, donate=())
+            exe = compile_exe(fn, (x, wt), donate=())
             errors[f"{variant}/M{m}"] = float(np.abs(np.asarray(exe(x, wt)) - ref).max())
             timer.add(f"{variant}/M{m}", functools.partial(exe, x, wt))
     print("[micro] timing", flush=True)

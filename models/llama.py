@@ -110,8 +110,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 _kernel_init = nn.initializers.normal(stddev=0.02)
 
 
-def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [..., K]`` times the transpose of ``w [N, K]`` -> float32 ``[..., N]`` (a tied LM head)."""
+def _tied_logits(embed: Mapping[str, Any], x: jax.Array, vocab_size: int) -> jax.Array:
+    """float32 logits ``[..., V]`` of ``x [..., D]`` through a tied ``embed_tokens`` entry in either layout."""
+    if "embedding_p" in embed:  # derived CPU layout: panels of [V, D]
+        return matmul_p(x, embed["embedding_p"], vocab_size, out_dtype=jnp.float32)
+    w = embed["embedding"]  # already [V, D]
     return jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
@@ -269,23 +272,19 @@ class Embed(nn.Module):
 
     def setup(self) -> None:
         if self.has_variable("params", "embedding_p"):  # derived CPU layout (tied): panels of [V, D]
-            self.panels = self.get_variable("params", "embedding_p")
+            self.entry = {"embedding_p": self.get_variable("params", "embedding_p")}
         else:
-            self.embedding = self.param(
+            self.entry = {"embedding": self.param(
                 "embedding", nn.initializers.normal(stddev=0.02), (self.num_embeddings, self.features),
                 self.param_dtype
-            )  # [V, D]
+            )}  # [V, D]
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # int [B, T] -> [B, T, D]
         # ids are clipped: garbage ids in padding positions must not turn into NaN rows.
-        if self.has_variable("params", "embedding_p"):
-            return embedding_rows({"embedding_p": self.panels}, tokens)
-        return embedding_rows({"embedding": self.embedding}, tokens)
+        return embedding_rows(self.entry, tokens)
 
     def attend(self, x: jax.Array) -> jax.Array:  # [B, L, D] -> float32 [B, L, V] (tied LM head)
-        if self.has_variable("params", "embedding_p"):
-            return matmul_p(x, self.panels, self.num_embeddings, out_dtype=jnp.float32)
-        return _dot_t(x, self.embedding)  # the embedding is already [V, D]
+        return _tied_logits(self.entry, x, self.num_embeddings)
 
 
 class LMHead(nn.Module):
@@ -402,14 +401,10 @@ def forward_features(
 
 def lm_head_logits(params: Mapping[str, Any], hidden: jax.Array, *, config: LlamaConfig) -> jax.Array:
     """float32 logits [B, L, V] of final-normed ``hidden [B, L, D]`` (for heads that reuse the LM head)."""
-    v = config.vocab_size
     if config.tie_word_embeddings:
-        embed = params["embed_tokens"]
-        if "embedding_p" in embed:  # derived CPU layout
-            return matmul_p(hidden, embed["embedding_p"], v, out_dtype=jnp.float32)
-        return _dot_t(hidden, embed["embedding"])  # [V, D]
+        return _tied_logits(params["embed_tokens"], hidden, config.vocab_size)
     if "kernel_p" in params["lm_head"]:  # derived CPU layout
-        return matmul_p(hidden, params["lm_head"]["kernel_p"], v, out_dtype=jnp.float32)
+        return matmul_p(hidden, params["lm_head"]["kernel_p"], config.vocab_size, out_dtype=jnp.float32)
     w = params["lm_head"]["kernel"]  # [D, V]
     return jnp.einsum("bld,dv->blv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
