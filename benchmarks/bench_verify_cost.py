@@ -15,7 +15,8 @@ Two variants of the same weights, side by side in one process:
   issue 14 (every projection one XLA dot against ``[in, out]`` weights);
 * ``after``: ``models.llama.to_cpu_layout`` params (fused weights packed into
   32-column panels) run by the C++ panel kernel (``models/cpu_kernels/panel_matmul.cc``),
-  what the engine runs on CPU.
+  with attention by the C++ paged-attention kernel (``models/cpu_kernels/paged_attention.cc``)
+  that a model in that layout calls: what the engine runs on one CPU device.
 
 Models: ``target`` (the shipped builtin:target, 7.5M params), ``random30m``
 (random Llama, 30M params, untied head), ``smollm2`` (SmolLM2-135M-Instruct,
@@ -265,11 +266,12 @@ def bench_breakdown(name: str, batch: int, ts: list[int], context: int, reps: in
             return llama.Embed(c.vocab_size, d).apply({"params": p["embed_tokens"]}, x, method="attend")
         return llama.LMHead(c.vocab_size).apply({"params": p["lm_head"]}, x)
 
-    def attention(kv_cache, q, k, v, positions, slots, tables):  # write + paged attention, every layer
+    def attention(kv_cache, q, k, v, positions, slots, tables, cpu_layout):  # write + paged attention, every layer
         new_k, new_v, outs = [], [], []
         for i in range(c.num_hidden_layers):
             kc, vc = write_kv(kv_cache.k[i], kv_cache.v[i], k, v, slots)
-            outs.append(paged_attention(q, kc, vc, positions, tables, block_size=BLOCK_SIZE, scale=e**-0.5))
+            outs.append(paged_attention(q, kc, vc, positions, tables, block_size=BLOCK_SIZE, scale=e**-0.5,
+                                        cpu_layout=cpu_layout))
             new_k.append(kc)
             new_v.append(vc)
         return sum(outs), KVCache(k=tuple(new_k), v=tuple(new_v), block_size=BLOCK_SIZE)
@@ -288,20 +290,22 @@ def bench_breakdown(name: str, batch: int, ts: list[int], context: int, reps: in
         q = jnp.asarray(rng.standard_normal((batch, t, h, e)), jnp.float32)
         kv = jnp.asarray(rng.standard_normal((batch, t, g, e)), jnp.float32)
         tokens, positions, slots, tables = step_inputs(batch, t, context, table_width)
-        exe = compile_exe(attention, (cache["kv"], q, kv, kv, positions, slots, tables), donate=(0,))
+        for variant in VARIANTS:  # after: the C++ attention kernel a model in the CPU layout runs
+            fn = functools.partial(attention, cpu_layout=variant == "after")
+            exe = compile_exe(fn, (cache["kv"], q, kv, kv, positions, slots, tables), donate=(0,))
 
-        def call(exe=exe, args=(q, kv, kv, positions, slots, tables)):
-            out, cache["kv"] = exe(cache["kv"], *args)
-            return out
+            def call(exe=exe, args=(q, kv, kv, positions, slots, tables)):
+                out, cache["kv"] = exe(cache["kv"], *args)
+                return out
 
-        timer.add(f"both/attention/T{t}", call)
+            timer.add(f"{variant}/attention/T{t}", call)
     print(f"[breakdown {name} B={batch}] compiled {len(timer.calls)} executables; timing", flush=True)
     timer.run(reps)
     result = {"batch": batch, "context": context}
     for t in ts:
-        row = {"attention (both)": timer.ms(f"both/attention/T{t}")}
+        row = {}
         for variant in VARIANTS:
-            for part in ("projections", "mlp", "lm_head"):
+            for part in ("projections", "mlp", "attention", "lm_head"):
                 row[f"{part} ({variant})"] = timer.ms(f"{variant}/{part}/T{t}")
         result[f"T{t}"] = row
         print(f"  T={t}: " + "; ".join(f"{k} {v['wall_ms']:.2f}" for k, v in row.items()), flush=True)

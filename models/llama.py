@@ -224,9 +224,8 @@ class Attention(nn.Module):
         # Write first: the query tokens of this step must see their own keys.
         kv = _kv()
         k_cache, v_cache = kv.write_kv(k_cache, v_cache, k, v, attn_metadata.slot_mapping)
-        attn = paged_attention(
-            q, k_cache, v_cache, positions, attn_metadata.block_tables, block_size=block_size, scale=e**-0.5
-        )  # [B, T, H, E]
+        attn = paged_attention(q, k_cache, v_cache, positions, attn_metadata.block_tables, block_size=block_size,
+                               scale=e**-0.5, cpu_layout=self.has_variable("params", "qkv_proj"))  # [B, T, H, E]
         out = _OutProj(c.hidden_size, c.attention_out_bias, pd, name="o_proj")(attn)  # [B, T, D]
         return out, k_cache, v_cache
 

@@ -3,6 +3,10 @@
 :func:`paged_attention` dispatches on :func:`specjax.backends.attention_backend`:
 
 * ``xla`` -- :func:`paged_attention_xla`, pure jnp, every platform, any row width.
+* ``paged_cpu`` -- a model on one CPU device in the derived CPU weight layout, every
+  row kind: the C++ kernel ``models/cpu_kernels/paged_attention.cc`` (an XLA FFI custom
+  call) reads each row's keys and values once, in place through the block table, for
+  all its query tokens, so a (K+1)-token verify costs about what one token does.
 * ``paged_decode_gpu`` -- one-token rows on GPU: the kernel body of JAX's Pallas
   GPU paged attention (``jax.experimental.pallas.ops.gpu.paged_attention``) in a
   ``pallas_call`` of our own whose BlockSpecs read this cache layout in place
@@ -28,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from models.cpu_kernels import paged_attention as cpu_attention
 from specjax import backends
 
 
@@ -49,20 +54,26 @@ def paged_attention(
     block_size: int,
     scale: float,
     backend: str | None = None,
+    cpu_layout: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal paged attention, ``[B, T, H, E]``: query at position p sees its row's keys s <= p.
 
-    ``backend``: None picks :func:`specjax.backends.attention_backend` for this T; or
-    "xla" / "paged_decode_gpu" / "ragged_paged_tpu". A Pallas backend that does not fit
-    these shapes (see :func:`pallas_backend_fits`) falls back to the XLA path.
+    ``backend``: None picks :func:`specjax.backends.attention_backend` for this T and
+    ``cpu_layout`` (the caller's weights are in ``models.cpu_layout``: one CPU device); or
+    "xla" / "paged_decode_gpu" / "ragged_paged_tpu" / "paged_cpu". A Pallas backend that does
+    not fit these shapes (see :func:`pallas_backend_fits`) falls back to the XLA path.
     ``interpret`` runs a Pallas backend in interpret mode (tests on CPU).
     """
     b, t, h, e = q.shape
     if backend is None:
-        backend = backends.attention_backend(t)
-    if backend not in (backends.XLA, backends.PAGED_DECODE_GPU, backends.RAGGED_TPU):
-        raise ValueError(f"backend must be one of xla / paged_decode_gpu / ragged_paged_tpu, got {backend!r}")
+        backend = backends.attention_backend(t, cpu_layout)
+    if backend not in (backends.XLA, backends.PAGED_DECODE_GPU, backends.RAGGED_TPU, backends.PAGED_CPU):
+        raise ValueError("backend must be one of xla / paged_decode_gpu / ragged_paged_tpu / paged_cpu, got "
+                         f"{backend!r}")
+    if backend == backends.PAGED_CPU:
+        return cpu_attention.paged_attention(q, k_cache, v_cache, positions, block_tables, block_size=block_size,
+                                             scale=scale)
     if backend != backends.XLA and not pallas_backend_fits(backend, q.shape, k_cache.shape, k_cache.dtype):
         backend = backends.XLA
     if backend == backends.PAGED_DECODE_GPU:

@@ -7,7 +7,9 @@ traced, i.e. at its first compile):
 ``SPECJAX_ATTENTION_BACKEND``  ``auto`` (default) | ``xla`` | ``pallas``
     auto: TPU -> JAX's ragged paged attention (every row kind: prefill chunks,
     decode, K+1-token verification); GPU -> JAX's Pallas paged decode attention
-    for one-token rows and the XLA path for wider rows; CPU -> the XLA path.
+    for one-token rows and the XLA path for wider rows; CPU -> the C++ kernel
+    ``models/cpu_kernels/paged_attention.cc`` for a model in the derived CPU weight
+    layout (one CPU device, kernels built; see below), else the XLA path.
     ``pallas`` is ``auto`` that refuses to run on CPU; ``xla`` forces the XLA path.
 ``SPECJAX_SAMPLER_BACKEND``  ``auto`` (default) | ``xla`` | ``pallas``
     auto: the V-tiled fused Pallas rejection kernel on TPU; the batched XLA path
@@ -39,6 +41,7 @@ LAYOUTS = ("auto", "checkpoint", "cpu")
 XLA = "xla"
 RAGGED_TPU = "ragged_paged_tpu"  # jax.experimental.pallas.ops.tpu.ragged_paged_attention
 PAGED_DECODE_GPU = "paged_decode_gpu"  # jax.experimental.pallas.ops.gpu.paged_attention's kernel, T == 1 rows
+PAGED_CPU = "paged_cpu"  # models/cpu_kernels/paged_attention.cc, an XLA FFI custom call, every row kind
 
 
 def platform() -> str:
@@ -57,8 +60,13 @@ def _choice(env: str) -> str:
     return value
 
 
-def attention_backend(num_query_tokens: int | None = None) -> str:
-    """The attention implementation for rows of ``num_query_tokens`` (static T; None = any width)."""
+def attention_backend(num_query_tokens: int | None = None, cpu_layout: bool = False) -> str:
+    """The attention implementation for rows of ``num_query_tokens`` (static T; None = any width).
+
+    ``cpu_layout``: the calling model runs in the derived CPU weight layout, which
+    :func:`use_cpu_weight_layout` grants only on one CPU device with the C++ kernels
+    built; the attention kernel is a custom call with no sharding rule, so only such a
+    model gets it."""
     if _choice(ATTENTION_ENV) == XLA:
         return XLA
     plat = platform()
@@ -66,6 +74,8 @@ def attention_backend(num_query_tokens: int | None = None) -> str:
         return RAGGED_TPU
     if plat == "gpu" and num_query_tokens == 1:
         return PAGED_DECODE_GPU
+    if plat == "cpu" and cpu_layout:
+        return PAGED_CPU
     return XLA
 
 
@@ -115,6 +125,7 @@ def describe() -> dict[str, str]:
         "platform": platform(),
         "attention_decode": attention_backend(1),
         "attention_multi_token": attention_backend(None),
+        "attention_cpu_layout": attention_backend(None, cpu_layout=True),
         "sampler": "pallas_" + sampler_kernel_platform() if use_pallas_sampler() else "xla",
         ATTENTION_ENV: os.environ.get(ATTENTION_ENV, "auto"),
         SAMPLER_ENV: os.environ.get(SAMPLER_ENV, "auto"),

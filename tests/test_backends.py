@@ -25,6 +25,9 @@ def test_cpu_defaults(on):
     assert backends.platform() == "cpu"
     assert backends.attention_backend(1) == backends.XLA
     assert backends.attention_backend(5) == backends.XLA
+    # a model in the derived CPU weight layout (one CPU device, C++ kernels built): the C++ attention
+    assert backends.attention_backend(1, cpu_layout=True) == backends.PAGED_CPU
+    assert backends.attention_backend(None, cpu_layout=True) == backends.PAGED_CPU
     assert backends.use_pallas_sampler() is False
     assert backends.sampler_kernel_platform() == "gpu"
 
@@ -54,6 +57,9 @@ def test_overrides(on, monkeypatch):
     monkeypatch.setenv(backends.ATTENTION_ENV, "xla")
     monkeypatch.setenv(backends.SAMPLER_ENV, "XLA")
     assert backends.attention_backend(1) == backends.XLA
+    on("cpu")
+    assert backends.attention_backend(5, cpu_layout=True) == backends.XLA
+    on("tpu")
     assert backends.use_pallas_sampler() is False
     on("gpu")
     monkeypatch.setenv(backends.SAMPLER_ENV, "pallas")

@@ -1,12 +1,15 @@
-"""The C++ panel-matmul kernel (models/cpu_kernels/panel_matmul.cc) against its float64 numpy reference.
+"""The C++ CPU kernels (models/cpu_kernels/*.cc) against their float64 numpy references.
 
-Real shapes (SmolLM2-135M's projections and LM head), every row-group remainder, padded panels,
-bfloat16 weights, leading batch dims; the validated entry's refusals; the build cache; and what
-happens on a machine without a C++ compiler.
+Panel matmul: real shapes (SmolLM2-135M's projections and LM head), every row-group remainder, padded
+panels, bfloat16 weights, leading batch dims. Paged attention: SmolLM2's heads (E 64, GQA 3:1) and GQA
+8:1 at E 128, rows of 1, K+1 and a prefill chunk's query tokens over ragged contexts on shuffled blocks
+with garbage in unused slots, padding tokens, bfloat16 caches, and agreement with the XLA path. Both:
+the validated entries' refusals; the build cache; and what happens on a machine without a C++ compiler.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,7 +21,11 @@ import numpy as np
 import pytest
 
 from models.cpu_kernels import build
+from models.cpu_kernels import paged_attention as pa
 from models.cpu_kernels import panel_matmul as pm
+from specjax import backends
+from specjax.attention import paged_attention, paged_attention_xla
+from test_attention_backends import make_batch
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU custom call")
 
@@ -95,9 +102,99 @@ def test_entry_refuses_bad_shapes_and_dtypes():
         pm.pack(np.ones((2, 3, 4)))
 
 
+# --------------------------------------------------------------------------- paged attention
+
+# (head_dim E, kv heads G, GQA ratio R, block size): SmolLM2-135M's attention; GQA 8:1 at E 128; odd sizes.
+ATTENTION_SHAPES = [(64, 3, 3, 16), (128, 2, 8, 32), (12, 1, 2, 8)]
+
+
+def _attention_check(q, kc, vc, pos, tables, block_size, real=None, atol=2e-5):
+    kw = dict(block_size=block_size, scale=q.shape[-1] ** -0.5)
+    out = np.asarray(jax.jit(functools.partial(pa.paged_attention, **kw))(q, kc, vc, pos, tables))
+    ref = pa.reference(q, kc, vc, pos, tables, **kw)
+    real = np.ones(pos.shape, bool) if real is None else real
+    assert out.shape == q.shape
+    np.testing.assert_allclose(out[real], ref[real], rtol=atol, atol=atol)
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 5, 9, 40])
+@pytest.mark.parametrize("e,g,r,block_size", ATTENTION_SHAPES, ids=[f"E{s[0]}-G{s[1]}-R{s[2]}-bs{s[3]}"
+                                                                    for s in ATTENTION_SHAPES])
+def test_attention_matches_reference(t, e, g, r, block_size):
+    """Ragged contexts (one row shorter than a softmax chunk, one spanning several) on shuffled blocks."""
+    rng = np.random.default_rng(100 * t + e + g + r)
+    q, kc, vc, pos, tables = make_batch(rng, t=t, g=g, r=r, e=e, block_size=block_size, lengths=[t + 3, 150, 300])
+    out = _attention_check(q, kc, vc, pos, tables, block_size)
+    kw = dict(block_size=block_size, scale=e**-0.5)
+    np.testing.assert_allclose(out, np.asarray(paged_attention_xla(q, kc, vc, pos, tables, **kw)), rtol=2e-5,
+                               atol=2e-5)
+
+
+def test_attention_padding_tokens_and_rows():
+    """Engine layouts: a prefill chunk padded with position -1 tokens (zeros out, like the XLA path), a draft
+    catch-up row whose first token is a dummy at position 0, an all-padding row with a -1 block table."""
+    rng = np.random.default_rng(5)
+    e, g, r, bs = 64, 3, 3, 16
+    q, kc, vc, _, tables = make_batch(rng, t=6, g=g, r=r, e=e, block_size=bs, lengths=[40, 40, 20])
+    tables = np.asarray(tables).copy()
+    tables[2] = -1
+    pos = np.array([[30, 31, 32, 33, -1, -1], [0, 0, 1, 2, 3, 4], [-1] * 6], np.int32)
+    out = _attention_check(q, kc, vc, jnp.asarray(pos), jnp.asarray(tables), bs, real=pos >= 0)
+    assert not np.any(out[pos < 0])
+    xla = paged_attention_xla(q, kc, vc, jnp.asarray(pos), jnp.asarray(tables), block_size=bs, scale=e**-0.5)
+    np.testing.assert_allclose(out, np.asarray(xla), rtol=2e-5, atol=2e-5)
+
+
+def test_attention_bfloat16_cache_and_query():
+    rng = np.random.default_rng(6)
+    q, kc, vc, pos, tables = make_batch(rng, t=5, g=3, r=3, e=64, block_size=16, lengths=[70, 9],
+                                        dtype=jnp.bfloat16)
+    out = pa.paged_attention(q, kc, vc, pos, tables, block_size=16, scale=0.125)
+    assert out.dtype == jnp.bfloat16
+    ref = pa.reference(q.astype(jnp.float32), kc, vc, pos, tables, block_size=16, scale=0.125)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)  # bf16 rounding of the output only
+
+
+def test_attention_dispatch_follows_the_cpu_layout(monkeypatch):
+    """paged_attention runs the kernel for a caller in the CPU layout (and not under SPECJAX_ATTENTION_BACKEND=xla):
+    the compiled program calls the custom-call target exactly then."""
+    rng = np.random.default_rng(7)
+    q, kc, vc, pos, tables = make_batch(rng, t=5, g=3, r=3, e=64, block_size=16, lengths=[30])
+    monkeypatch.delenv(backends.ATTENTION_ENV, raising=False)
+
+    def hlo(cpu_layout):
+        fn = functools.partial(paged_attention, block_size=16, scale=0.125, cpu_layout=cpu_layout)
+        return jax.jit(fn).lower(q, kc, vc, pos, tables).as_text()
+
+    assert build.ATTENTION_TARGET in hlo(True) and build.ATTENTION_TARGET not in hlo(False)
+    monkeypatch.setenv(backends.ATTENTION_ENV, "xla")
+    assert build.ATTENTION_TARGET not in hlo(True)
+
+
+def test_attention_entry_refuses_bad_shapes():
+    q = jnp.ones((1, 2, 4, 8), jnp.float32)
+    cache = jnp.ones((32, 2, 8), jnp.float32)
+    pos, tables = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="alike"):
+        pa.paged_attention(q, cache, cache[:16], pos, tables, block_size=16, scale=1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        pa.paged_attention(q, jnp.ones((32, 3, 8)), jnp.ones((32, 3, 8)), pos, tables, block_size=16, scale=1.0)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        pa.paged_attention(q, cache.astype(jnp.float16), cache.astype(jnp.float16), pos, tables, block_size=16,
+                           scale=1.0)
+    with pytest.raises(ValueError, match="positions must be"):
+        pa.paged_attention(q, cache, cache, pos[:, :1], tables, block_size=16, scale=1.0)
+    with pytest.raises(ValueError, match="block_size=5"):
+        pa.paged_attention(q, cache, cache, pos, tables, block_size=5, scale=1.0)
+
+
+# --------------------------------------------------------------------------- build
+
+
 def test_build_is_cached_per_machine():
     assert pm.available() and build.load() == build.TARGET
-    libs = list(build.cache_dir().glob("panel_matmul-*.so"))
+    libs = list(build.cache_dir().glob("specjax_cpu_kernels-*.so"))
     assert libs, build.cache_dir()
 
 

@@ -1,12 +1,13 @@
-"""The CPU verify path of issue 14: ``models.cpu_layout.to_cpu_layout`` + the C++ panel kernel.
+"""The CPU verify path of issue 14: ``models.cpu_layout.to_cpu_layout`` + the C++ kernels.
 
 * The derived layout gives transformers' logits and greedy tokens (prefill, a
   5-token verify chunk, 2-row decode steps).
 * The executables the engine compiles on CPU (``CompiledBuckets`` with
   ``compiler_options()``) run every projection and the LM head through the
-  panel kernel's custom call, for a (K+1)-token verify and a one-token step.
+  panel kernel's custom call and every layer's attention through the attention
+  kernel's, for a (K+1)-token verify and a one-token step.
 * The engine picks the layout per ``SPECJAX_WEIGHT_LAYOUT``; it cannot be sharded.
-The kernel itself is tested against its numpy reference in test_cpu_kernels.py.
+The kernels themselves are tested against their numpy references in test_cpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from test_models import (  # noqa: E402
 )
 from tiny_models import load_hf_torch_model, make_tiny_checkpoint  # noqa: E402
 
-from models.cpu_kernels.build import TARGET  # noqa: E402
+from models.cpu_kernels.build import ATTENTION_TARGET, TARGET  # noqa: E402
 from models.cpu_kernels.panel_matmul import unpack  # noqa: E402
 from models.llama import (  # noqa: E402
     LlamaConfig,
@@ -175,13 +176,13 @@ def _entry(text: str) -> str:
     return text.split("\nENTRY ")[1]
 
 
-def _panel_calls(entry: str) -> list[str]:
-    return [line for line in entry.splitlines() if "custom-call(" in line and f'"{TARGET}"' in line]
+def _calls(entry: str, target: str = TARGET) -> list[str]:
+    return [line for line in entry.splitlines() if "custom-call(" in line and f'"{target}"' in line]
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the XLA:CPU executable")
 @pytest.mark.parametrize("tied", [True, False])
-def test_engine_executables_run_every_projection_through_the_panel_kernel_on_cpu(tied):
+def test_engine_executables_run_every_projection_and_attention_through_the_cpu_kernels(tied):
     c = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
     params = init_params(c, jax.random.key(1))
@@ -189,10 +190,11 @@ def test_engine_executables_run_every_projection_through_the_panel_kernel_on_cpu
     weights = 4 * c.num_hidden_layers + 1  # qkv, o, gate_up, down per layer + the LM head
     for t in (5, 1):  # a K = 4 verify and a one-token step: the same kernel, no dot left
         entry = _entry(_engine_compiled_text(c, cpu, t))
-        assert len(_panel_calls(entry)) == weights, entry
+        assert len(_calls(entry)) == weights, entry
+        assert len(_calls(entry, ATTENTION_TARGET)) == c.num_hidden_layers, entry
         assert " dot(" not in entry
     before = _entry(_engine_compiled_text(c, params, 5))  # checkpoint layout: XLA's own kernels
-    assert not _panel_calls(before) and "custom-call(" not in before
+    assert not _calls(before) and "custom-call(" not in before
 
 
 # --------------------------------------------------------------------------- what the engine runs

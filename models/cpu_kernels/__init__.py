@@ -1,4 +1,5 @@
 """C++ kernels for XLA:CPU (XLA FFI custom calls), each next to its numpy reference; built on first use.
 
-They serve the derived CPU weight layout (:mod:`models.cpu_layout`); nothing else depends on them.
+They serve a model on one CPU device in the derived weight layout (:mod:`models.cpu_layout`): the panel
+matmul for its projections and head, the paged attention for its attention (``specjax.attention``).
 """

@@ -1,6 +1,6 @@
 """Builds the C++ CPU kernels on the machine that runs them, caches the library, registers it with XLA.
 
-The source is compiled once per (source, compiler, jaxlib, CPU) with ``-march=native`` into
+The sources (one library) are compiled once per (source, compiler, jaxlib, CPU) with ``-march=native`` into
 ``$SPECJAX_CACHE_DIR/cpu_kernels`` (default ``~/.cache/specjax/cpu_kernels``); later processes load the
 cached file in milliseconds. The build is atomic (temporary file, then rename), so parallel test workers
 or jobs sharing a cache directory never load a half-written library. Without a C++ compiler
@@ -26,10 +26,15 @@ import jaxlib
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("panel_matmul.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "panel_matmul.cc", HERE / "paged_attention.cc")
+HEADERS = (HERE / "common.h",)
 TARGET = "specjax_panel_matmul"
 """XLA custom-call target name of the panel matmul (what compiled HLO calls)."""
-FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC")
+ATTENTION_TARGET = "specjax_paged_attention"
+"""XLA custom-call target name of the paged attention."""
+_SYMBOLS = {TARGET: "SpecjaxPanelMatmul", ATTENTION_TARGET: "SpecjaxPagedAttention"}
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=gnu++17", "-shared", "-fPIC")
 CACHE_ENV = "SPECJAX_CACHE_DIR"
 
 
@@ -61,7 +66,7 @@ def _build(cxx: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+        cmd = [cxx, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp]
         logger.info("building the CPU kernels (once per machine): %s", " ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -74,22 +79,26 @@ def _build(cxx: str, out: Path) -> None:
 
 @functools.cache
 def load() -> str | None:
-    """Build (or find) and register the kernels; the custom-call target name, or None when unavailable."""
+    """Build (or find) and register the kernels; the panel matmul's target name, or None when unavailable.
+
+    One library holds every kernel, so a non-None answer means all of them are registered."""
     cxx = _compiler()
     if cxx is None:
-        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): the CPU panel-matmul kernel is off")
+        logger.warning("no C++ compiler found ($CXX, c++, g++, clang++): the CPU kernels are off")
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
-        [SOURCE.read_text(), " ".join(FLAGS), version, jaxlib.__version__, platform.machine(), _cpu_signature()]
+        [*(p.read_text() for p in SOURCES + HEADERS), " ".join(FLAGS), version, jaxlib.__version__,
+         platform.machine(), _cpu_signature()]
     ).encode()).hexdigest()[:16]
-    lib_path = cache_dir() / f"panel_matmul-{key}.so"
+    lib_path = cache_dir() / f"specjax_cpu_kernels-{key}.so"
     try:
         if not lib_path.exists():
             _build(cxx, lib_path)
         lib = ctypes.cdll.LoadLibrary(str(lib_path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxPanelMatmul), platform="cpu")
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
-        logger.warning("the CPU panel-matmul kernel is off: %s", e)
+        logger.warning("the CPU kernels are off: %s", e)
         return None
     return TARGET

@@ -8,34 +8,41 @@
 // although both read the same weights once. Here the weights are packed once, at load:
 // panel p holds output columns [32p, 32p + 32) as a contiguous [K, 32] block. A tile of
 // up to kRowGroup rows streams its panel once, loading 32 weights per k and using them
-// for every row (2 * rows FMAs per 128 bytes), so a few rows cost about what one does
-// while the weights come from memory.
+// for every row (32 * rows multiply-adds per 128 bytes), so a few rows cost about what one
+// does while the weights come from memory.
 //
-// Portable GNU C++ (vector extensions, no intrinsics); built on the machine that runs it
-// with -march=native by models/cpu_kernels/build.py, so the same source gives AVX-512, AVX2 or
-// NEON code.
+// Portable GNU C++ (vector extensions of the machine's own width, common.h; no intrinsics);
+// built on the machine that runs it with -march=native by models/cpu_kernels/build.py, so the
+// same source gives AVX-512, AVX2, SSE or NEON code.
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+using specjax::fvec;
+using specjax::kLanes;
+using specjax::LoadVec;
+using specjax::StoreVec;
 
-constexpr int64_t kPanel = 32;  // output columns per panel: two 16-lane vectors
-#ifdef __AVX512F__
-constexpr int kRowGroup = 8;  // 16 accumulators + 2 weight vectors + 1 broadcast of 32 zmm registers
+constexpr int64_t kPanel = 32;  // output columns per panel
+constexpr int kVecs = kPanel / kLanes;  // vectors per panel row: 2 (AVX-512), 4 (AVX2), 8 (SSE, NEON)
+// Rows per tile: MR * kVecs accumulators stay in registers with the panel row's kVecs weight vectors
+// and the row broadcasts (more spills them to the stack, which costs more than re-reading the panel from
+// cache for the next row group). Measured: AVX-512 8 (16 of 32 zmm); AVX2 3 (12 of 16 ymm).
+#if defined(SPECJAX_ROW_GROUP)
+constexpr int kRowGroup = SPECJAX_ROW_GROUP;
+#elif defined(__AVX512F__)
+constexpr int kRowGroup = 8;
+#elif defined(__AVX__) || defined(__aarch64__)
+constexpr int kRowGroup = 3;
 #else
-constexpr int kRowGroup = 4;  // narrower registers: keep the accumulators out of memory
+constexpr int kRowGroup = 1;
 #endif
 // Software prefetch distance in k steps (16 * 128 bytes = 2 KiB ahead): the hardware
 // prefetcher stops at 4 KiB pages; measured 16 as good as 32 or 64 and better than 8.
@@ -43,41 +50,23 @@ constexpr int64_t kPrefetch = 16;
 // Panels claimed per task: small enough that two threads finish together.
 constexpr int64_t kChunk = 2;
 
-inline f32x16 Load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f32x16 Load(const uint16_t* p) {  // bfloat16 -> float32 is a 16-bit shift
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-
 // y[m0 + m, n0 : n0 + 32] = sum_k x[m0 + m, k] * panel[k, :] for m < MR.
 template <int MR, typename W>
 inline void Tile(const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
-  f32x16 lo[MR], hi[MR];
-  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = f32x16{};
+  fvec acc[MR][kVecs] = {};
   for (int64_t k = 0; k < K; ++k) {
     const W* row = panel + k * kPanel;
     __builtin_prefetch(row + kPrefetch * kPanel);
     __builtin_prefetch(row + kPrefetch * kPanel + 16);
-    f32x16 w0 = Load(row), w1 = Load(row + 16);
+    fvec w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = LoadVec(row + v * kLanes);
     for (int m = 0; m < MR; ++m) {
-      float xs = x[(m0 + m) * K + k];
-      lo[m] += w0 * xs;
-      hi[m] += w1 * xs;
+      const float xs = x[(m0 + m) * K + k];
+      for (int v = 0; v < kVecs; ++v) acc[m][v] += w[v] * xs;
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    std::memcpy(y + (m0 + m) * N + n0, &lo[m], sizeof lo[m]);
-    std::memcpy(y + (m0 + m) * N + n0 + 16, &hi[m], sizeof hi[m]);
-  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kVecs; ++v) StoreVec(y + (m0 + m) * N + n0 + v * kLanes, acc[m][v]);
 }
 
 template <int MR, typename W>
@@ -100,43 +89,13 @@ void Panels(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t 
   }
 }
 
-// Shared by the calling thread and the helpers it schedules. Workers claim chunks; the
-// caller claims whatever is left and then waits only for chunks already being computed,
-// so it never waits on a helper that has not started (the pool may be busy or have one
-// thread). Late helpers find nothing to claim and never touch the buffers.
-template <typename W>
-struct Job {
-  const float* x;
-  const W* w;
-  float* y;
-  int64_t M, K, N, panels, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Work() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      int64_t p0 = c * kChunk, p1 = p0 + kChunk < panels ? p0 + kChunk : panels;
-      Panels(x, w, y, M, K, N, p0, p1);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 template <typename W>
 void Run(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t panels) {
-  auto job = std::make_shared<Job<W>>();
-  job->x = x;
-  job->w = w;
-  job->y = y;
-  job->M = M;
-  job->K = K;
-  job->N = panels * kPanel;
-  job->panels = panels;
-  job->chunks = (panels + kChunk - 1) / kChunk;
-  int64_t helpers = pool.num_threads() - 1;
-  if (helpers > job->chunks - 1) helpers = job->chunks - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->chunks) std::this_thread::yield();
+  int64_t chunks = (panels + kChunk - 1) / kChunk;
+  specjax::ParallelFor(pool, chunks, [=](int64_t c) {
+    int64_t p0 = c * kChunk, p1 = p0 + kChunk < panels ? p0 + kChunk : panels;
+    Panels(x, w, y, M, K, panels * kPanel, p0, p1);
+  });
 }
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
