@@ -352,15 +352,19 @@ class FusionHead(nn.Module):
         q, k, v = self.layer.qkv(x, positions)
         return q, k, v, residual
 
-    def __call__(self, embeds, features, positions, k_cache, v_cache, attn_metadata, block_size):
-        """embeds, features [B, T, D] -> (head hidden [B, T, D] before ``norm``, k_cache, v_cache)."""
+    def __call__(self, embeds, features, positions, k_cache, v_cache, attn_metadata, block_size,
+                 cpu_layout: bool = False):
+        """embeds, features [B, T, D] -> (head hidden [B, T, D] before ``norm``, k_cache, v_cache).
+
+        ``cpu_layout``: the head runs beside a target in ``models.cpu_layout`` (one CPU device), so its
+        attention may take the C++ kernel too (``specjax.backends.attention_backend``)."""
         from specjax.attention import paged_attention
         from specjax.kv_cache import write_kv
 
         q, k, v, residual = self._entries(embeds, features, positions)
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, attn_metadata.slot_mapping)  # write, then read
         attn = paged_attention(q, k_cache, v_cache, positions, attn_metadata.block_tables, block_size=block_size,
-                               scale=self.config.head_dim**-0.5)  # [B, T, H, E]
+                               scale=self.config.head_dim**-0.5, cpu_layout=cpu_layout)  # [B, T, H, E]
         return self.layer.finish(residual, attn), k_cache, v_cache
 
     def dense(self, embeds, features, positions, past_k, past_v, mask):

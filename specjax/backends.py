@@ -65,8 +65,8 @@ def attention_backend(num_query_tokens: int | None = None, cpu_layout: bool = Fa
 
     ``cpu_layout``: the calling model runs in the derived CPU weight layout, which
     :func:`use_cpu_weight_layout` grants only on one CPU device with the C++ kernels
-    built; the attention kernel is a custom call with no sharding rule, so only such a
-    model gets it."""
+    built (or is a draft head beside such a target); the attention kernel is a custom
+    call with no sharding rule, so only such a model gets it."""
     if _choice(ATTENTION_ENV) == XLA:
         return XLA
     plat = platform()
@@ -95,10 +95,10 @@ def sampler_kernel_platform() -> str:
 def use_cpu_weight_layout(devices) -> bool:
     """Whether a model placed on ``devices`` runs in the derived CPU weight layout (module doc).
 
-    Only a model on one CPU device: the panel kernel is a custom call with no sharding rule. Measured
-    side by side in the engine (benchmarks/bench_layout.py, 2026-12-04), greedy decoding took 0.76-0.87x the
-    time in that layout for every model tried, the shipped 7.5M target (plain and draft_model K=4) to
-    SmolLM2-135M, so ``auto`` has no size threshold."""
+    Only a model on one CPU device: the C++ kernels are custom calls with no sharding rule. Measured
+    side by side in the engine (benchmarks/bench_layout.py, 2026-12-04, 2-core AVX2), greedy decoding took
+    0.57-0.82x the time in that layout for every model tried, the shipped 7.5M target (plain and
+    draft_model K=4) to SmolLM2-135M, so ``auto`` has no size threshold."""
     value = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
     if value not in LAYOUTS:
         raise ValueError(f"{LAYOUT_ENV} must be one of {LAYOUTS}, got {value!r}")

@@ -161,9 +161,18 @@ def test_dense_training_forward_equals_paged_head(target):
     slots = tables[:, :1] * 8 + pos  # t <= 2 blocks: rows use blocks (0, 1) and (2, 3)
     slots = jnp.where(pos < 8, slots, tables[:, 1:] * 8 + pos - 8)
     emb = jnp.take(t_params["embed_tokens"]["embedding"], tokens, axis=0)
-    paged, _, _ = FusionHead(h).apply({"params": hp}, emb, feats, pos, cache.k[0], cache.v[0],
-                                      AttentionMetadata(slot_mapping=slots, block_tables=tables), 8)
+    md = AttentionMetadata(slot_mapping=slots, block_tables=tables)
+    paged, _, _ = FusionHead(h).apply({"params": hp}, emb, feats, pos, cache.k[0], cache.v[0], md, 8)
     np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), rtol=2e-4, atol=2e-4)
+    if jax.default_backend() == "cpu":  # beside a target in the CPU layout: the C++ attention kernel
+        from models.cpu_kernels.build import ATTENTION_TARGET
+
+        def head_cpu(*args):
+            return FusionHead(h).apply({"params": hp}, *args, md, 8, True)[0]
+
+        args = (emb, feats, pos, cache.k[0], cache.v[0])
+        assert ATTENTION_TARGET in jax.jit(head_cpu).lower(*args).as_text()
+        np.testing.assert_allclose(np.asarray(head_cpu(*args)), np.asarray(dense), rtol=2e-4, atol=2e-4)
 
 
 def test_config_errors_name_the_field(target_dir, target, tmp_path):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from models.heads import FusionHead, HeadConfig, combine_hidden_states, head_embed, head_greedy_tokens, \
     head_target_logits
-from models.llama import LlamaConfig
+from models.llama import LlamaConfig, is_cpu_layout
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
 from specjax.spec_decode.drafting import draft_keys, draw_draft
 from specjax.spec_decode.heads import HeadProposer, HeadState, load_head_for
@@ -73,8 +73,12 @@ def fusion_head_drafts(
         return draw_draft(logits[:, 0], batch.temperature, batch.top_k, batch.top_p, draw_key(j), probabilistic=True,
                           min_p=batch.min_p)
 
+    # The head lives on its target's device: a target in the CPU layout (one CPU device) lets the head's
+    # attention take the C++ kernel as well.
+    cpu_layout = is_cpu_layout(target_params)
     x, k_c, v_c = head.apply(
         {"params": head_params}, embed(nxt), feats, win_pos, head_cache.k[0], head_cache.v[0], md, block_size,
+        cpu_layout,
     )  # x [B, W, D]
     g = x[rows, last]  # [B, D]: head hidden of the last true entry
 
@@ -91,7 +95,7 @@ def fusion_head_drafts(
         step_md = AttentionMetadata(slot_mapping=slot, block_tables=batch.block_tables)
         prev = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)  # [B, 1]: d_i
         x, k_c, v_c = head.apply({"params": head_params}, embed(prev), g[:, None], pos, k_c, v_c, step_md,
-                                 block_size)
+                                 block_size, cpu_layout)
         tok, q = next_token(x, i)
         return drafts.at[:, i].set(tok), None if qs is None else qs.at[:, i].set(q), x[:, 0], k_c, v_c
 
