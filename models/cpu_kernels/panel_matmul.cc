@@ -34,7 +34,8 @@ constexpr int64_t kPanel = 32;  // output columns per panel
 constexpr int kVecs = kPanel / kLanes;  // vectors per panel row: 2 (AVX-512), 4 (AVX2), 8 (SSE, NEON)
 // Rows per tile: MR * kVecs accumulators stay in registers with the panel row's kVecs weight vectors
 // and the row broadcasts (more spills them to the stack, which costs more than re-reading the panel from
-// cache for the next row group). Measured: AVX-512 8 (16 of 32 zmm); AVX2 3 (12 of 16 ymm).
+// cache for the next row group). AVX2: 3 (12 of 16 ymm), measured against 2 and 4; AVX-512: 8 (16 of 32
+// zmm), measured with this kernel's earlier 16-lane code; aarch64: 3 by register count, not measured.
 #if defined(SPECJAX_ROW_GROUP)
 constexpr int kRowGroup = SPECJAX_ROW_GROUP;
 #elif defined(__AVX512F__)
