@@ -102,3 +102,8 @@ def load() -> str | None:
         logger.warning("the CPU kernels are off: %s", e)
         return None
     return TARGET
+
+
+def available() -> bool:
+    """Whether the kernels are built and registered here (builds them on first call; :func:`load`)."""
+    return load() is not None

@@ -13,14 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.cpu_kernels import build
+from models.cpu_kernels.build import available  # noqa: F401 (re-exported)
 
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16)
 """KV-cache dtypes the kernel reads (it computes in float32)."""
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered here (see :mod:`models.cpu_kernels.build`)."""
-    return build.load() is not None
 
 
 def paged_attention(

@@ -36,9 +36,7 @@ constexpr int kVecs = kPanel / kLanes;  // vectors per panel row: 2 (AVX-512), 4
 // and the row broadcasts (more spills them to the stack, which costs more than re-reading the panel from
 // cache for the next row group). AVX2: 3 (12 of 16 ymm), measured against 2 and 4; AVX-512: 8 (16 of 32
 // zmm), measured with this kernel's earlier 16-lane code; aarch64: 3 by register count, not measured.
-#if defined(SPECJAX_ROW_GROUP)
-constexpr int kRowGroup = SPECJAX_ROW_GROUP;
-#elif defined(__AVX512F__)
+#if defined(__AVX512F__)
 constexpr int kRowGroup = 8;
 #elif defined(__AVX__) || defined(__aarch64__)
 constexpr int kRowGroup = 3;

@@ -17,16 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.cpu_kernels import build
+from models.cpu_kernels.build import available  # noqa: F401 (re-exported)
 
 PANEL = 32
 """Output columns per panel (two 16-lane float32 vectors; fixed in panel_matmul.cc)."""
 DTYPES = (jnp.float32, jnp.bfloat16)
 """Weight dtypes the kernel reads (it always accumulates in float32)."""
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered here (builds it on first call; see :mod:`models.cpu_kernels.build`)."""
-    return build.load() is not None
 
 
 def pack(w: Any, dtype: Any = None) -> np.ndarray:
