@@ -94,6 +94,19 @@ def run_load(llm, prompts, batch: int, temperature: float, new_tokens: int, call
     return elapsed, ids, before, llm.get_metrics()
 
 
+def controller_state(llm, batch: int, sampled: bool) -> dict:
+    """After a load: the adaptive controller's cost estimates (ms) for this batch's bucket and the method's
+    per-position conditional acceptance, the numbers its choices came from."""
+    c = llm.engine.controller
+    rows = min(b for b in llm.engine.config.row_buckets if b >= batch)
+    costs = {f"K={k}": round(c.costs.estimate(rows, k, False, sampled) * 1e3, 3) for k in range(c.k_max + 1)}
+    if c.can_detach:
+        costs["detached"] = round(c.costs.estimate(rows, 0, True, sampled) * 1e3, 3)
+    s = c.method_stats[sampled]
+    return {"cost_ms": costs, "method_acceptance": [round(a / t, 3) if t else None for a, t in zip(s.accepted, s.tried)],
+            "method_tried": s.tried.astype(int).tolist()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/adaptive.json"))
@@ -173,6 +186,7 @@ def main() -> None:
                 row["best_static"] = best
                 row["adaptive_vs_best_static"] = row["systems"]["adaptive"]["speedup"] / static[best]
                 row["adaptive_k_histogram_total"] = llms["adaptive"].get_metrics().get("k_histogram")
+                row["adaptive_controller"] = controller_state(llms["adaptive"], batch, temperature > 0)
                 logger.info("%s batch %d T=%.1f: adaptive %.2fx, best static %s %.2fx", method, batch, temperature,
                             row["systems"]["adaptive"]["speedup"], best, static[best])
                 results.append(row)

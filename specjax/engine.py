@@ -173,14 +173,16 @@ class StepRunner:
             if bar is not None:
                 bar.close()
 
-    def time_step(self, bucket: Bucket, detached: bool, sampled: bool = False, repeats: int = 3) -> float:
+    def time_step(self, bucket: Bucket, detached: bool, sampled: bool = False, repeats: int = 3,
+                  draft_ahead: int = 0) -> float:
         """Median wall time of an all-padding step of ``bucket`` (compiled already), fetch included; the
-        padding rows count as attached unless ``detached``, and sample (temperature 1) if ``sampled`` (they
-        write nothing either way)."""
+        padding rows count as attached unless ``detached``, sample (temperature 1) if ``sampled`` and have a
+        chained proposer draft ``draft_ahead`` ahead (they write nothing either way)."""
         times = []
         for _ in range(repeats):
             batch = self.host_batch(bucket)
             batch.attached[:] = not detached
+            batch.draft_ahead[:] = draft_ahead
             batch.temperature[:] = float(sampled)
             start = time.perf_counter()
             self.run(batch)
@@ -281,7 +283,8 @@ class Engine:
                     for sampled in (False, True):
                         self.controller.costs.observe(
                             (rows, k, detached, sampled),
-                            self.runner.time_step((rows, length, k), detached, sampled, repeats=1), warmup=True)
+                            self.runner.time_step((rows, length, k), detached, sampled, repeats=1,
+                                                  draft_ahead=self.draft_ahead(k, True)), warmup=True)
 
     # ------------------------------------------------------------------ requests
 
@@ -311,18 +314,22 @@ class Engine:
         table = self.scheduler.slots
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
         # Drafts only where they can commit: never past max_tokens or max_model_len.
-        limits = np.asarray([
-            min(k, r.request.params.max_tokens - len(r.request.output_token_ids) - 1,
-                self.config.max_model_len - r.request.num_tokens - 1) if r.samples else 0
+        limits = np.array([
+            max(0, min(k, r.request.params.max_tokens - len(r.request.output_token_ids) - 1,
+                       self.config.max_model_len - r.request.num_tokens - 1)) if r.samples else 0
             for r in rows
-        ], np.int32).clip(0)
-        can_draft = table.synced[slots] & (table.has_drafts[slots] if self.proposer.drafts_ahead else True)
+        ], np.int32)
+        can_draft = table.synced[slots]
+        if self.proposer.drafts_ahead:
+            ready = table.ready_drafts[slots]
+            can_draft &= ready > 0
+            np.minimum(limits, ready, out=limits)
         if self.controller is not None and self.proposer.syncs and not table.synced[slots].any():
             # Every row's proposer state is stale (they missed detached steps): plain steps from here on,
             # with no host work for a choice that has none.
             self.controller.count_step(0, detached=True)
             return 0, np.zeros(n, np.int32), None, True
-        limits = np.where(can_draft, limits, 0).astype(np.int32)
+        limits *= can_draft
         ids = [r.request.request_id for r in rows]
         wanted = None
         if self.controller is not None:
@@ -339,6 +346,15 @@ class Engine:
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
         return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
+
+    def draft_ahead(self, k: int, decoding: bool) -> int:
+        """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all
+        K_max with a fixed K or after a prefill step; under the controller one more than this step verifies
+        (K may grow by one a step), as each costs a proposer forward (4 sampled EAGLE-3 drafts ahead made a
+        batch-1 step 2.9x a detached one, and the next step often verified 2)."""
+        if self.controller is None or not decoding or not self.proposer.chained_drafts:
+            return self.k_max
+        return min(k + 1, self.k_max)
 
     def _prefill_detached(self, rows) -> bool:
         """Run this prefill step without the proposer: no row in it is decoding with current proposer state,
@@ -383,12 +399,14 @@ class Engine:
         if host_drafts is not None:
             for i, d in enumerate(host_drafts):
                 batch.host_drafts[i, : num_drafts[i]] = d[: num_drafts[i]]
+        ahead = self.draft_ahead(k, decoding)
         if detached:
             table.synced[slots] = False  # the proposer does not see this step's tokens
         else:
             batch.attached[:n] = True
+            batch.draft_ahead[:n] = ahead
         packed = self.runner.run(batch)[:n]  # the step's one host fetch
-        finished = self._commit(rows, packed, num_drafts, k)
+        finished = self._commit(rows, packed, num_drafts, k, ahead)
         elapsed = time.perf_counter() - start_time
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             sampled = bool(np.any(batch.temperature[:n] > 0))
@@ -397,7 +415,7 @@ class Engine:
         self.stats.step_seconds += elapsed
         return finished
 
-    def _commit(self, rows, packed: np.ndarray, num_drafts: np.ndarray, k: int) -> list[Request]:
+    def _commit(self, rows, packed: np.ndarray, num_drafts: np.ndarray, k: int, ahead: int) -> list[Request]:
         finished = []
         now = time.perf_counter()
         table = self.scheduler.slots
@@ -411,7 +429,7 @@ class Engine:
             if self.proposer.drafts_ahead:
                 # The head drafted from this step's features, over a complete history of its own (a row that
                 # missed a detached step has a stale head cache and never drafts again).
-                table.has_drafts[request.slot] = row.samples and table.synced[request.slot]
+                table.ready_drafts[request.slot] = ahead if row.samples and table.synced[request.slot] else 0
             if not row.samples:
                 request.num_computed_tokens = computed
                 continue

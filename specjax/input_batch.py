@@ -46,8 +46,8 @@ class SlotTable:
         self.num_logprobs = np.full((num_slots,), -1, np.int32)
         self.fresh = np.zeros((num_slots,), bool)
         """The slot was (re)assigned and no step has run it yet: its device statistics must start over."""
-        self.has_drafts = np.zeros((num_slots,), bool)
-        """Device-side drafts of the slot (``Proposer.drafts_ahead``) are current for its next step."""
+        self.ready_drafts = np.zeros((num_slots,), np.int32)
+        """Device-side drafts of the slot (``Proposer.drafts_ahead``) current for its next step (0 = none)."""
         self.synced = np.zeros((num_slots,), bool)
         """The proposer's device state has seen every token of the slot (no detached step skipped it)."""
         self._free = list(range(num_slots - 1, -1, -1))
@@ -88,13 +88,13 @@ class SlotTable:
         self.prompt_len[s] = len(request.prompt_token_ids)
         self.num_logprobs[s] = -1 if p.logprobs is None else p.logprobs
         self.fresh[s] = True
-        self.has_drafts[s] = False
+        self.ready_drafts[s] = 0
         self.synced[s] = True  # its prefill runs with the proposer attached
         return s
 
     def release(self, request) -> None:
         if request.slot is not None:
-            self.has_drafts[request.slot] = False
+            self.ready_drafts[request.slot] = 0
             self._free.append(request.slot)
             request.slot = None
 

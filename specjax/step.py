@@ -115,6 +115,9 @@ class StepBatch:
     attached: jax.Array
     """bool [B]: the proposer follows this row (keeps its state in step to draft for it later); False for
     padding and in a *detached* step. A step without drafts and without attached rows skips the proposer."""
+    draft_ahead: jax.Array
+    """int32 [B]: drafts a proposer with ``chained_drafts`` makes for the rows' next step (the most over the
+    rows; 0 = padding, and all of them when every row is 0)."""
 
     @classmethod
     def zeros(cls, batch: int, length: int, k: int, max_blocks: int) -> "StepBatch":
@@ -149,6 +152,7 @@ class StepBatch:
             reset=np.zeros((batch,), bool),
             num_logprobs=np.full((batch,), -1, i32),
             attached=np.zeros((batch,), bool),
+            draft_ahead=np.zeros((batch,), i32),
         )
 
 

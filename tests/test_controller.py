@@ -86,6 +86,63 @@ def test_detaches_only_after_plain_won_several_steps_in_a_row():
     assert _decide(c2, 1, ["a"], [False], [0], [False]).detached
 
 
+def test_while_detaching_is_voted_on_the_steps_draft_rather_than_run_an_attached_plain_step():
+    # A head's attached plain step drafts ahead: it costs what K=1 costs (2.0), the target alone 1.0. At
+    # acceptance 0.5 drafting (~1.9 tokens per 2.0-2.1 s) loses to the target alone but beats the attached plain
+    # step (1 token per 2.0 s): until detaching wins its votes, the steps draft.
+    costs = {(1, 0, False): 2.0} | {(1, k, False): 2.0 + 0.025 * k for k in range(1, K + 1)} | {(1, 0, True): 1.0}
+    c = _controller(costs, can_detach=True, detach_after=3)
+    _teach(c, "a", 0.5)
+    plans = [_decide(c, 1, ["a"], [False], [K], [True]) for _ in range(3)]
+    assert [p.k > 0 for p in plans] == [True, True, False]
+    assert [p.detached for p in plans] == [False, False, True]
+
+
+def test_drafting_short_of_the_margin_over_the_target_alone_keeps_drafting():
+    # Acceptance 0.7: ~2.8 tokens per K=4 step of 2.6 s, 1.07x the target alone (1 token per 1.0 s): below the
+    # 1.1x margin that starts drafting, but detaching (irreversible) needs the target alone to win outright.
+    costs = {(1, 0, False): 2.0} | {(1, k, False): 2.6 for k in range(1, K + 1)} | {(1, 0, True): 1.0}
+    c = _controller(costs, can_detach=True, detach_after=3)
+    _teach(c, "a", 0.7)
+    plans = [_decide(c, 1, ["a"], [False], [K], [True]) for _ in range(10)]
+    assert all(p.k == K and not p.detached for p in plans)
+    plan = c.row_caps(["new"], [False], np.asarray([K]), np.asarray([True]))
+    assert not c.prefers_plain(1, plan, 1)  # new requests follow the same rule: prefilled attached
+    poor = _controller(costs, can_detach=True, detach_after=3)
+    _teach(poor, "a", 0.5)  # ~1.9 tokens per 2.6 s: the target alone wins outright
+    assert poor.prefers_plain(1, poor.row_caps(["new"], [False], np.asarray([K]), np.asarray([True])), 1)
+
+
+def test_a_kind_not_chosen_for_cost_max_age_steps_falls_back_to_its_scaled_warmup_time():
+    for max_age, expected in ((16, 2.0), (0, 9.0)):
+        c = _controller({}, cost_max_age=max_age)
+        for k in range(K + 1):  # warmup: K=k costs 1 + 0.25 k
+            c.costs.observe((1, k, False, False), 1.0 + 0.25 * k, warmup=True)
+        c.costs.observe((1, K, False, False), 9.0)  # one real K=4 step, in a slow moment
+        assert c.costs.estimate(1, K, False) == 9.0
+        for _ in range(16):  # then only K=1 is chosen; its real steps take what its warmup did
+            c.costs.observe((1, 1, False, False), 1.25)
+        assert c.costs.estimate(1, K, False) == expected, max_age
+
+
+def test_a_neighbouring_k_not_measured_in_real_steps_is_tried_once_per_cost_max_age():
+    c = _controller({}, cost_max_age=8)
+    for k in range(K + 1):  # warmup only: K=4 looks best (every draft accepted, costs nearly flat)
+        c.costs.observe((1, k, False, False), 1.0 + 0.01 * k, warmup=True)
+    _teach(c, "a", 1.0)
+    ks = []
+    for _ in range(12):
+        k = _decide(c, 1, ["a"], [False], [K], [True]).k
+        ks.append(k)
+        c.costs.observe((1, k, False, False), 1.0 + 0.01 * k)  # the engine times every step
+    assert ks == [K - 1] + [K] * 8 + [K - 1] + [K] * 2
+    quiet = _controller({}, cost_max_age=0)  # 0: no expiry, no exploration
+    for k in range(K + 1):
+        quiet.costs.observe((1, k, False, False), 1.0 + 0.01 * k, warmup=True)
+    _teach(quiet, "a", 1.0)
+    assert {_decide(quiet, 1, ["a"], [False], [K], [True]).k for _ in range(12)} == {K}
+
+
 def test_probe_after_idle_steps():
     costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
     c = _controller(costs, probe_every=5)
@@ -181,6 +238,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(min_speedup=float("nan"))
     with pytest.raises(ValueError, match="detach_after"):
         ControllerConfig(detach_after=-1)
+    with pytest.raises(ValueError, match="cost_max_age"):
+        ControllerConfig(cost_max_age=1.5)
     with pytest.raises(ValueError, match="learn_z"):
         ControllerConfig(learn_z=-1.0)
     with pytest.raises(ValueError, match="adaptive"):

@@ -77,7 +77,7 @@ def _record_drafts(llm):
         table = llm.engine.scheduler.slots
         drafts = np.asarray(llm.runner.state.proposer.drafts)  # [S, K]
         for request in llm.engine.scheduler.running:
-            if table.has_drafts[request.slot]:
+            if table.ready_drafts[request.slot]:
                 log.append((request.request_id, request.num_tokens, drafts[request.slot].copy()))
         return finished
 

@@ -7,9 +7,11 @@ The controller picks, for a decoding step of ``R`` rows, one of
   head also drafts ahead for the next step), or
 * a *detached* plain step: the target alone (the proposer's work is skipped). Rows
   whose proposer state misses a detached step can never draft again (their draft
-  KV lacks that token), so detaching is held back until it has won several steps
-  in a row (``detach_after``). New requests are prefilled detached when even
-  their best expected drafting rate loses to the target alone
+  KV lacks that token), so detaching needs the target alone to beat both
+  attached choices outright (no margin: hysteresis against a dipping estimate)
+  for several steps in a row (``detach_after``); meanwhile the step runs the
+  better attached choice, and drafting keeps the estimate up to date. New
+  requests are prefilled detached by the same rule
   (:meth:`SpeculationController.prefers_plain`): then the proposer never reads
   their prompts.
 
@@ -24,7 +26,10 @@ conditional acceptance ``alpha_i`` estimated per request (a Beta-style mean with
 the method's running average as prior, kept apart for greedy and sampled
 requests), and ``cost`` is the wall time of that step kind: measured when
 warmup runs it, then the median of its recent measured steps (one slow step, a
-GC pause or another process, moves nothing). A kind is never estimated above a
+GC pause or another process, moves nothing; measurements of a kind not chosen
+for ``cost_max_age`` steps expire, and a drafting K next to the chosen one is
+run once per that many steps when it has no recent real measurement, since
+warmup's all-padding steps time kinds only roughly). A kind is never estimated above a
 kind that does more work (detached plain <= attached K=0 <= K=1 <= ...): a kind
 that is never chosen is never re-measured, and without that envelope one bad
 measurement of a cheap kind would rule it out for good.
@@ -60,6 +65,10 @@ class ControllerConfig:
     """A row drafts position j only while it adds at least this many expected tokens."""
     cost_window: int = 8
     """A step kind's cost is the median of its last this-many measurements."""
+    cost_max_age: int = 64
+    """Real measurements of a step kind not chosen in this many real steps of its bucket are forgotten (0 =
+    never): the kind falls back to its warmup time scaled like the others, so a kind measured once in a slow
+    moment and never chosen since gets tried again (at most one step in this many)."""
     min_speedup: float = 1.1
     """Drafting must promise this many times the expected tokens per second of a plain step: the rates leave
     out measurement noise and the proposer's prefill, and "never slower than plain" wants a margin."""
@@ -71,7 +80,7 @@ class ControllerConfig:
     """While learning, each position's acceptance is taken at its Wilson upper bound, this many standard
     deviations above the verified drafts (1 before any): when even that cannot pay, learning ends early (a
     head whose first 8 drafts all fail is bounded at 0.33, after 16 at 0.2)."""
-    detach_after: int = 3
+    detach_after: int = 8
     """Consecutive decoding steps a detached plain step must win before the controller detaches."""
     probe_every: int = 32
     """A row that has not drafted for this many decoding steps drafts one token (0 = never probe); the wait
@@ -84,7 +93,8 @@ class ControllerConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not (0.0 <= self.initial_acceptance <= 1.0):
             raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
-        for name, low in (("cost_window", 1), ("learn_drafts", 0), ("detach_after", 0), ("probe_every", 0)):
+        for name, low in (("cost_window", 1), ("cost_max_age", 0), ("learn_drafts", 0), ("detach_after", 0),
+                          ("probe_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
@@ -120,39 +130,60 @@ class CostModel:
     warmup ratio of the kinds of its bucket that were (else a kind the controller keeps choosing would be
     compared in real time against the others in warmup time)."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, max_age: int = 0):
         self.window = window
+        self.max_age = max_age
         self.frozen = False
         """Ignore new measurements (tests pin a table with :meth:`set`)."""
         self.seconds: dict[tuple, float] = {}
         """Each kind's cost before the cap (see the class docstring)."""
         self._real: dict[tuple, collections.deque] = {}
         self._warm: dict[tuple, collections.deque] = {}
+        self._median: dict[tuple, float] = {}  # (kind, warmup) -> median of its deque
+        self._kinds: dict[tuple, set] = {}  # (rows, sampled) -> the kinds measured in that bucket
         self._capped: dict[tuple, float] = {}  # seconds capped by the kinds that do more work (the envelope)
+        self._clock: dict[tuple, int] = {}  # (rows, sampled) -> real steps measured in that bucket
+        self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement
 
     def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
         """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup."""
         if self.frozen:
             return
-        (self._warm if warmup else self._real).setdefault(
-            key, collections.deque(maxlen=self.window)).append(seconds)
+        store = self._warm if warmup else self._real
+        times = store.get(key)
+        if times is None:
+            times = store[key] = collections.deque(maxlen=self.window)
+        times.append(seconds)
+        self._median[key, warmup] = statistics.median(times)
+        self._kinds.setdefault((key[0], key[3]), set()).add(key)
+        if not warmup:
+            bucket = (key[0], key[3])
+            self._clock[bucket] = self._stamp[key] = self._clock.get(bucket, 0) + 1
         self._refresh(key)
 
     def set(self, key: tuple, seconds: float) -> None:
         """Replace a kind's measurements by one real value."""
         self._real[key] = collections.deque([seconds], maxlen=self.window)
+        self._median[key, False] = seconds
+        self._kinds.setdefault((key[0], key[3]), set()).add(key)
+        self._stamp[key] = self._clock.get((key[0], key[3]), 0)
         self._refresh(key)
 
     def _refresh(self, key: tuple) -> None:
         """Recompute the costs of ``key``'s bucket (rows, sampled), then their cap: a suffix minimum in work
         order (detached K=0, then attached K=0, 1, ...)."""
-        rows, _, _, sampled = key
-        kinds = {kk for kk in (*self._real, *self._warm) if kk[0] == rows and kk[3] == sampled}
-        real = {kk: statistics.median(self._real[kk]) for kk in kinds if kk in self._real}
-        ratios = [real[kk] / statistics.median(self._warm[kk]) for kk in real if kk in self._warm]
+        kinds = self._kinds[key[0], key[3]]
+        if self.max_age and not self.frozen:
+            clock = self._clock.get((key[0], key[3]), 0)
+            for kk in kinds:
+                if kk in self._real and kk in self._warm and clock - self._stamp[kk] >= self.max_age:
+                    del self._real[kk]  # stale: its scaled warmup time stands in until it is chosen again
+        med = self._median
+        real = {kk: med[kk, False] for kk in kinds if kk in self._real}
+        ratios = [real[kk] / med[kk, True] for kk in real if kk in self._warm]
         scale = statistics.median(ratios) if ratios else 1.0
         for kk in kinds:
-            self.seconds[kk] = real[kk] if kk in real else statistics.median(self._warm[kk]) * scale
+            self.seconds[kk] = real[kk] if kk in real else med[kk, True] * scale
         low = math.inf
         for kk in sorted(kinds, key=lambda kk: (not kk[2], kk[1]), reverse=True):
             low = min(low, self.seconds[kk])
@@ -160,6 +191,12 @@ class CostModel:
 
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
+
+    def age(self, key: tuple) -> float:
+        """Real steps of ``key``'s bucket since ``key`` was last measured in one (inf: never)."""
+        if key not in self._real:
+            return math.inf
+        return self._clock.get((key[0], key[3]), 0) - self._stamp[key]
 
     def estimate(self, rows: int, k: int, detached: bool, sampled: bool = False) -> float:
         """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
@@ -213,7 +250,7 @@ class SpeculationController:
         self.k_max = k_max
         self.config = config
         self.can_detach = can_detach
-        self.costs = CostModel(config.cost_window)
+        self.costs = CostModel(config.cost_window, config.cost_max_age)
         self.method_stats = {False: AcceptanceStats(k_max), True: AcceptanceStats(k_max)}  # sampled -> stats
         self._request_stats: dict[str, AcceptanceStats] = {}
         self._idle_steps: dict[str, int] = {}
@@ -266,28 +303,26 @@ class SpeculationController:
         ``limits`` int [R]: the most drafts each row can commit (max_tokens / max_model_len); ``can_draft``
         bool [R]: the row's proposer state is current.
         """
+        # Runs every decoding step: few numpy calls, as each costs microseconds at these sizes.
         cfg, m = self.config, self.config.prior_strength
-        n = len(request_ids)
-        priors = {False: self._prior(False), True: self._prior(True)}
-        accepted = np.zeros((n, self.k_max))  # [R, K_max]
-        tried = np.zeros((n, self.k_max))  # [R, K_max]
-        prior = np.empty((n, self.k_max))  # [R, K_max]
-        idle = np.zeros(n, np.int64)
-        wait = np.full(n, cfg.probe_every, np.int64)
-        for i, (rid, smp) in enumerate(zip(request_ids, sampled)):
-            prior[i] = priors[bool(smp)]
-            s = self._request_stats.get(rid)
-            if s is not None:
-                accepted[i], tried[i] = s.accepted, s.tried
-            idle[i] = self._idle_steps.get(rid, 0)
-            wait[i] = self._probe_wait.get(rid, cfg.probe_every)
-        reach = np.cumprod((accepted + m * prior) / (tried + m), axis=1)  # [R, K_max]
-        useful = np.sum(np.cumprod(reach >= cfg.min_gain, axis=1), axis=1)  # [R]: positions worth drafting
+        priors = (self._prior(False), self._prior(True))
+        stats = [self._request_stats.get(rid) for rid in request_ids]
+        none = np.zeros(self.k_max)
+        accepted = np.array([none if st is None else st.accepted for st in stats])  # [R, K_max]
+        tried = np.array([none if st is None else st.tried for st in stats])  # [R, K_max]
+        prior = np.array([priors[bool(smp)] for smp in sampled])  # [R, K_max]
+        reach = np.cumprod((accepted + m * prior) / (tried + m), axis=1)  # [R, K_max], non-increasing
+        useful = (reach >= cfg.min_gain).sum(axis=1)  # [R]: positions worth drafting
         limits = np.minimum(np.asarray(limits, np.int64), self.k_max) * np.asarray(can_draft, bool)
-        probing = (cfg.probe_every > 0) & (limits > 0) & (idle >= wait)
+        if cfg.probe_every:
+            idle = np.array([self._idle_steps.get(rid, 0) for rid in request_ids])
+            wait = np.array([self._probe_wait.get(rid, cfg.probe_every) for rid in request_ids])
+            probing = (limits > 0) & (idle >= wait)
+        else:
+            probing = np.zeros(len(request_ids), bool)
         caps = np.minimum(np.maximum(useful, probing), limits)
         return RowCaps(request_ids=list(request_ids), reach=reach, caps=caps, probing=probing,
-                       sampled=bool(np.any(sampled)))
+                       sampled=any(sampled))
 
     def decide(self, rows: int, plan: RowCaps, found: np.ndarray | None = None,
                can_draft: np.ndarray | None = None) -> Decision:
@@ -300,16 +335,22 @@ class SpeculationController:
         n = len(plan.request_ids)
         cap_row = plan.caps if found is None else np.minimum(plan.caps, np.asarray(found, np.int64))
         caps_at, gains = self._gains(plan.reach, cap_row)
-        draft_k, pays, attached_rate, detached_rate = self._compare(rows, n, gains, plan.sampled)
-        drafting = draft_k > 0 and (pays or self._learning_could_pay(rows, n, cap_row, plan.sampled))
+        draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, n, gains, plan.sampled)
+        pays = draft_k > 0 and draft_rate >= cfg.min_speedup * max(attached_rate, detached_rate)
+        drafting = pays or (draft_k > 0 and self._learning_could_pay(rows, n, cap_row, plan.sampled))
         detached = False
-        if not drafting and detached_rate > attached_rate:
+        if not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate):
             self._detach_votes += 1
             stale = can_draft is not None and not np.any(can_draft)
             detached = self._detach_votes >= cfg.detach_after or stale
         else:
             self._detach_votes = 0
-        k = draft_k if drafting else 0
+        if not drafting and not detached:
+            # Attached either way: drafting needs the margin over an attached step without drafts only. (A
+            # head's attached K=0 step drafts ahead and costs what K=1 costs; running it while detaching is
+            # still being voted on would be slower than both drafting and the target alone.)
+            drafting = draft_k > 0 and draft_rate >= cfg.min_speedup * attached_rate
+        k = self._explore(rows, draft_k, caps_at, plan.sampled) if drafting else 0
         if k == 0 and not detached and (plan.probing & (cap_row > 0)).any():
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
         caps = caps_at[:, k].astype(np.int32) if k else np.zeros(n, np.int32)
@@ -317,40 +358,60 @@ class SpeculationController:
             if c:
                 self._idle_steps[rid] = 0
                 wait = self._probe_wait.get(rid, cfg.probe_every)
-                self._probe_wait[rid] = 2 * wait if probe else cfg.probe_every
+                self._probe_wait[rid] = min(2 * wait, 1 << 30) if probe else cfg.probe_every
             else:
                 self._idle_steps[rid] = self._idle_steps.get(rid, 0) + 1
         self.count_step(k, detached)
         return Decision(k=k, caps=caps, detached=detached)
 
+    def _explore(self, rows: int, k: int, caps_at: np.ndarray, sampled: bool) -> int:
+        """``k``, or a neighbouring drafting K whose cost was not measured in a real step for ``cost_max_age``
+        steps of the bucket (once per that many steps each): warmup's all-padding steps time each kind only
+        roughly, and without real measurements of its neighbours the chosen K could never be found wrong. A
+        neighbour costs about what ``k`` costs, and its drafts are verified as exactly."""
+        max_age = self.config.cost_max_age
+        if max_age:
+            for kk in (k + 1, k - 1):
+                if (1 <= kk <= self.k_max and (caps_at[:, kk] != caps_at[:, k]).any()
+                        and self.costs.age((rows, kk, False, sampled)) >= max_age):
+                    return kk
+        return k
+
     def _gains(self, reach: np.ndarray, cap_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(caps [R, K_max + 1]: each row's cap at each K, expected accepted drafts summed over rows
         [K_max + 1], NaN where no row drafts at that K)."""
-        exp = np.concatenate([np.zeros((reach.shape[0], 1)), np.cumsum(reach, axis=1)], axis=1)  # [R, K_max + 1]
-        caps_at = np.minimum(np.arange(self.k_max + 1)[None, :], cap_row[:, None])  # [R, K_max + 1]
-        gains = np.take_along_axis(exp, caps_at, axis=1).sum(axis=0)  # [K_max + 1]
-        gains[1:][~caps_at[:, 1:].any(axis=0)] = np.nan
+        exp = np.zeros((reach.shape[0], self.k_max + 1))  # [R, K_max + 1]
+        np.cumsum(reach, axis=1, out=exp[:, 1:])
+        caps_at = np.minimum(np.arange(self.k_max + 1), cap_row[:, None])  # [R, K_max + 1]
+        gains = exp[np.arange(len(exp))[:, None], caps_at].sum(axis=0)  # [K_max + 1]
+        if not cap_row.any():  # a row drafts at some K >= 1 exactly when its cap is > 0
+            gains[1:] = np.nan
         return caps_at, gains
 
     def _best_drafting(self, rows: int, n: float, gains: np.ndarray, sampled: bool) -> tuple[int, float]:
         """The K >= 1 with the most expected tokens per second for ``n`` rows and that rate; (0, 0) when no
         row drafts."""
         best_k, best_rate = 0, 0.0
-        for k in range(1, self.k_max + 1):
-            if np.isnan(gains[k]):
+        for k, gain in enumerate(gains.tolist()[1:], start=1):
+            if math.isnan(gain):
                 continue
-            rate = (n + gains[k]) / self.costs.estimate(rows, k, False, sampled)
+            rate = (n + gain) / self.costs.estimate(rows, k, False, sampled)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
-    def _compare(self, rows: int, n: float, gains: np.ndarray, sampled: bool) -> tuple[int, bool, float, float]:
-        """(best drafting K, whether it beats a step without drafts by ``min_speedup``, tokens per second of an
-        attached and of a detached step without drafts (0 where the proposer cannot detach))."""
+    def _rates(self, rows: int, n: float, gains: np.ndarray, sampled: bool) -> tuple[int, float, float, float]:
+        """(best drafting K, its tokens per second, tokens per second of an attached and of a detached step
+        without drafts (0 where the proposer cannot detach))."""
         draft_k, draft_rate = self._best_drafting(rows, n, gains, sampled)
-        attached, detached = self._plain_rates(rows, n, sampled)
-        pays = draft_k > 0 and draft_rate >= self.config.min_speedup * max(attached, detached)
-        return draft_k, pays, attached, detached
+        return (draft_k, draft_rate, *self._plain_rates(rows, n, sampled))
+
+    @staticmethod
+    def _detach_wins(draft_rate: float, attached_rate: float, detached_rate: float) -> bool:
+        """The target alone beats both attached choices outright. Detaching cannot be undone for the rows in
+        the step, so it needs no margin-sized doubt: drafting short of the ``min_speedup`` margin but above the
+        target alone keeps drafting (hysteresis; the per-request estimate dips and recovers)."""
+        return detached_rate > max(attached_rate, draft_rate)
 
     def _plain_rates(self, rows: int, n: float, sampled: bool) -> tuple[float, float]:
         """Tokens per second of an attached and of a detached step without drafts (0 where the proposer
@@ -369,8 +430,9 @@ class SpeculationController:
                                                                      scale=num_rows / n):
             return False
         _, gains = self._gains(plan.reach, plan.caps)
-        _, pays, attached_rate, detached_rate = self._compare(rows, num_rows, gains * (num_rows / n), plan.sampled)
-        return not pays and detached_rate > attached_rate
+        _, draft_rate, attached_rate, detached_rate = self._rates(rows, num_rows, gains * (num_rows / n),
+                                                                  plan.sampled)
+        return self._detach_wins(draft_rate, attached_rate, detached_rate)
 
     def learning(self, sampled: bool) -> bool:
         """Too few of the method's drafts verified yet (``learn_drafts``) to trust its acceptance prior."""

@@ -99,12 +99,18 @@ def fusion_head_drafts(
         tok, q = next_token(x, i)
         return drafts.at[:, i].set(tok), None if qs is None else qs.at[:, i].set(q), x[:, 0], k_c, v_c
 
-    drafts, qs, _, k_c, v_c = jax.lax.fori_loop(1, num_out, body, (drafts, qs, g, k_c, v_c))
+    # Only as many chained drafts as the next step may verify (each is a head forward and, for sampled rows, a
+    # vocabulary-wide draw); the rest stay zero, and the host never verifies them.
+    ahead = jnp.max(batch.draft_ahead)
+    n_out = jnp.where(ahead > 0, jnp.minimum(ahead, num_out), num_out)
+    drafts, qs, _, k_c, v_c = jax.lax.fori_loop(1, n_out, body, (drafts, qs, g, k_c, v_c))
     return drafts, qs, KVCache(k=(k_c,), v=(v_c,), block_size=block_size)
 
 
 class FusionHeadProposer(HeadProposer):
     """EAGLE / EAGLE-3 / MTP: see the module docstring."""
+
+    chained_drafts = True
 
     def __init__(self, config: HeadConfig, params, *, target_config: LlamaConfig, num_speculative_tokens: int, mesh,
                  sampled_drafts: bool):

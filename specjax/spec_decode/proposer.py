@@ -80,6 +80,9 @@ class Proposer:
     """Target layers whose residual streams form the "aux" features."""
     drafts_ahead: bool = False
     """Drafts for step s+1 are made on device at the end of step s (valid only if the row sampled in s)."""
+    chained_drafts: bool = False
+    """Drafts made ahead come one after another (a proposer forward each), so a step makes only
+    ``StepBatch.draft_ahead`` of them and the next step verifies no more."""
     host_side: bool = False
     """Drafts come from :meth:`propose_host` and reach the step as ``StepBatch.host_drafts``."""
     syncs: bool = False
