@@ -143,6 +143,18 @@ def test_a_neighbouring_k_not_measured_in_real_steps_is_tried_once_per_cost_max_
     assert {_decide(quiet, 1, ["a"], [False], [K], [True]).k for _ in range(12)} == {K}
 
 
+def test_while_learning_k_is_chosen_at_the_optimistic_acceptance_so_deeper_positions_are_taught():
+    # Costs rise 0.3 per K: at the prior (0.6 per position) K = 1 is best, and K = 2..4 would never be tried.
+    costs = {(1, k, False): 1.0 + 0.3 * k for k in range(K + 1)}
+    c = _controller(costs)
+    at_prior = c._rates(1, 1, c._gains(c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True])).reach,
+                                       np.asarray([K]))[1], False)[0]
+    assert at_prior == 1
+    assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == K  # nothing verified: bound 1
+    _teach(c, "a", 1.0, n=40)  # learned (40 > learn_drafts): every draft was accepted, K = 4 pays on its own
+    assert not c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == K
+
+
 def test_probe_after_idle_steps():
     costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
     c = _controller(costs, probe_every=5)
@@ -330,7 +342,7 @@ def test_an_unlearned_method_drafts_to_learn_and_never_prefills_detached(target_
     assert m["num_detached_prefills"] == 0 and m["num_draft_tokens"] > 0
     # Learning ended (all learn_drafts verified, or the random draft's failures bounded its acceptance below
     # what would pay), then the controller detached.
-    assert not c._learning_could_pay(4, 4, np.full(4, 2), False) and m["num_detached_steps"] > 0
+    assert not c._learning_k(4, 4, np.full(4, 2), False) and m["num_detached_steps"] > 0
     llm.generate(_prompts(6, [7]), specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert llm.get_metrics()["num_detached_prefills"] > 0  # the next greedy request is not followed at all
 
