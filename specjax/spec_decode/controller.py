@@ -74,8 +74,8 @@ class ControllerConfig:
     out measurement noise and the proposer's prefill, and "never slower than plain" wants a margin."""
     learn_drafts: int = 32
     """Drafts of the method (greedy and sampled apart) verified before its prior may stop drafting: until
-    then the controller drafts at its best K to learn the acceptance, and never prefills detached, as long as
-    drafting could pay at the optimistic bound of the acceptance (``learn_z``)."""
+    then the controller drafts to learn the acceptance, at the K that is best with the acceptance at its
+    optimistic bound (``learn_z``), and never prefills detached, as long as drafting could pay at that bound."""
     learn_z: float = 2.0
     """While learning, each position's acceptance is taken at its Wilson upper bound, this many standard
     deviations above the verified drafts (1 before any): when even that cannot pay, learning ends early (a
