@@ -351,7 +351,7 @@ class Engine:
         """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all
         K_max with a fixed K or after a prefill step; under the controller one more than this step verifies
         (K may grow by one a step), as each costs a proposer forward (4 sampled EAGLE-3 drafts ahead made a
-        batch-1 step 2.9x a detached one, and the next step often verified 2)."""
+        batch-1 step without drafts 2.9x a detached one)."""
         if self.controller is None or not decoding or not self.proposer.chained_drafts:
             return self.k_max
         return min(k + 1, self.k_max)
