@@ -2,7 +2,7 @@
 
 Checkpoint layout: see :mod:`models.llama`. Derived layout (:func:`to_cpu_layout`; the checkpoint
 tree is unchanged and ``models.llama.forward`` accepts either). ``panels(W)`` is
-:func:`models.cpu_kernels.panel_matmul.pack` of the ``[N, K]`` (output-major) matrix: ``[ceil(N/32), K, 32]``::
+:func:`models.cpu_kernels.panel_matmul.pack` of the ``[N, K]`` (output-major) matrix: ``[ceil(N/C), K, C]`` (C = ``panel_width()``)::
 
     layers_{i}/self_attn/qkv_proj/kernel_p  panels([(H+2G)*E, D])  q, k, v rows stacked
     layers_{i}/self_attn/qkv_proj/bias      [(H+2G)*E]             (only if attention_bias)
@@ -59,7 +59,7 @@ def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig) -> dict:
     def t(a, rows: int) -> np.ndarray:  # [in..., out...] with `rows` input elements -> [out, in]
         return np.asarray(a).reshape(rows, -1).T
 
-    def panels(*mats: np.ndarray) -> jax.Array:  # output-major matrices stacked -> [P, K, 32]
+    def panels(*mats: np.ndarray) -> jax.Array:  # output-major matrices stacked -> [P, K, C]
         return jax.numpy.asarray(_pm.pack(np.concatenate(mats, axis=0)))
 
     out: dict[str, Any] = {}

@@ -47,7 +47,7 @@ def _check(y, x, w_p, n, rtol):
 
 
 @pytest.mark.parametrize("n,k", SMOLLM2)
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 40])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 9, 13, 16, 40])  # every remainder of 6- and 8-row groups
 def test_matches_reference_at_smollm2_shapes(m, n, k):
     x, _, w_p = _case(m, n, k, seed=m * n + k)
     y = jax.jit(pm.panel_matmul, static_argnums=2)(jnp.asarray(x), jnp.asarray(w_p), n)
@@ -64,7 +64,8 @@ def test_lm_head_shape_and_leading_dims():
 @pytest.mark.parametrize("n,k", [(1, 3), (33, 17), (70, 24), (95, 100)])
 def test_padded_panels_and_odd_contractions(n, k):
     x, w, w_p = _case(3, n, k, seed=n + k)
-    assert w_p.shape == (-(-n // 32), k, 32)
+    c = pm.panel_width()
+    assert w_p.shape == (-(-n // c), k, c)
     np.testing.assert_array_equal(pm.unpack(w_p, n), w)
     _check(np.asarray(pm.panel_matmul(jnp.asarray(x), jnp.asarray(w_p), n)), x, w_p, n, rtol=2e-5)
 
@@ -86,18 +87,33 @@ def test_bfloat16_activations_come_back_in_their_dtype():
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=1e-2, atol=1e-2)
 
 
+def test_panel_width_is_two_machine_vectors():
+    """The kernel reports its width; pack follows it unless told otherwise; unpack and rows read any width."""
+    c = pm.panel_width()
+    assert c == build.panel_width() and c in (8, 16, 32)
+    w = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
+    assert pm.pack(w).shape == (-(-40 // c), 3, c)
+    w_8 = pm.pack(w, width=8)
+    assert w_8.shape == (5, 3, 8)
+    np.testing.assert_array_equal(pm.unpack(w_8, 40), w)
+    np.testing.assert_array_equal(np.asarray(pm.rows(jnp.asarray(w_8), jnp.asarray([0, 9, 39]))), w[[0, 9, 39]])
+    with pytest.raises(ValueError, match="width"):
+        pm.pack(w, width=0)
+
+
 def test_entry_refuses_bad_shapes_and_dtypes():
+    c = pm.panel_width()
     x = jnp.ones((2, 16), jnp.float32)
-    with pytest.raises(ValueError, match="panels"):
-        pm.panel_matmul(x, jnp.ones((1, 16, 16), jnp.float32), 16)
+    with pytest.raises(ValueError, match="panels"):  # packed for another machine's width
+        pm.panel_matmul(x, jnp.ones((1, 16, 2 * c), jnp.float32), c)
     with pytest.raises(ValueError, match="last dim 16"):
-        pm.panel_matmul(x, jnp.ones((1, 8, 32), jnp.float32), 32)
-    with pytest.raises(ValueError, match="n=40"):
-        pm.panel_matmul(x, jnp.ones((1, 16, 32), jnp.float32), 40)
+        pm.panel_matmul(x, jnp.ones((1, 8, c), jnp.float32), c)
+    with pytest.raises(ValueError, match=f"n={c + 8}"):
+        pm.panel_matmul(x, jnp.ones((1, 16, c), jnp.float32), c + 8)
     with pytest.raises(ValueError, match="n=3"):  # a whole empty panel
-        pm.panel_matmul(x, jnp.ones((2, 16, 32), jnp.float32), 3)
+        pm.panel_matmul(x, jnp.ones((2, 16, c), jnp.float32), 3)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        pm.panel_matmul(x, jnp.ones((1, 16, 32), jnp.float16), 32)
+        pm.panel_matmul(x, jnp.ones((1, 16, c), jnp.float16), c)
     with pytest.raises(ValueError, match="shape"):
         pm.pack(np.ones((2, 3, 4)))
 

@@ -38,7 +38,7 @@ from test_models import (  # noqa: E402
 from tiny_models import load_hf_torch_model, make_tiny_checkpoint  # noqa: E402
 
 from models.cpu_kernels.build import ATTENTION_TARGET, TARGET  # noqa: E402
-from models.cpu_kernels.panel_matmul import unpack  # noqa: E402
+from models.cpu_kernels.panel_matmul import panel_width, unpack  # noqa: E402
 from models.llama import (  # noqa: E402
     LlamaConfig,
     embedding_rows,
@@ -116,12 +116,17 @@ def test_to_cpu_layout_shapes_dtypes_and_refusal():
     cpu = to_cpu_layout(params, c)
     layer, src = cpu["layers_1"], params["layers_1"]
     h, g, e = 4, 2, 12
-    assert layer["self_attn"]["qkv_proj"]["kernel_p"].shape == (3, 32, 32)  # (H+2G)*E = 96 outputs
+    w = panel_width()  # columns per panel on this machine
+
+    def panels(n, k):
+        return (-(-n // w), k, w)
+
+    assert layer["self_attn"]["qkv_proj"]["kernel_p"].shape == panels(96, 32)  # (H+2G)*E = 96 outputs
     assert layer["self_attn"]["qkv_proj"]["bias"].shape == ((h + 2 * g) * e,)
-    assert layer["self_attn"]["o_proj"]["kernel_p"].shape == (1, h * e, 32)
-    assert layer["mlp"]["gate_up_proj"]["kernel_p"].shape == (3, 32, 32)
-    assert layer["mlp"]["down_proj"]["kernel_p"].shape == (1, 48, 32)
-    assert cpu["lm_head"]["kernel_p"].shape == (3, 32, 32)
+    assert layer["self_attn"]["o_proj"]["kernel_p"].shape == panels(32, h * e)
+    assert layer["mlp"]["gate_up_proj"]["kernel_p"].shape == panels(96, 32)
+    assert layer["mlp"]["down_proj"]["kernel_p"].shape == panels(32, 48)
+    assert cpu["lm_head"]["kernel_p"].shape == panels(96, 32)
     assert {x.dtype for x in jax.tree_util.tree_leaves(cpu)} == {jnp.dtype(jnp.bfloat16)}
     # Values: unpacked panels are the transposed checkpoint columns, in q, k, v / gate, up order.
     qkv = unpack(np.asarray(layer["self_attn"]["qkv_proj"]["kernel_p"], np.float32), 96)
@@ -141,7 +146,7 @@ def test_tied_embedding_is_packed_once_and_looked_up_from_the_panels():
                     num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
     params = init_params(c, jax.random.key(3))
     cpu = to_cpu_layout(params, c)
-    assert set(cpu["embed_tokens"]) == {"embedding_p"} and cpu["embed_tokens"]["embedding_p"].shape == (3, 16, 32)
+    assert set(cpu["embed_tokens"]) == {"embedding_p"} and cpu["embed_tokens"]["embedding_p"].shape == (-(-70 // panel_width()), 16, panel_width())
     table = np.asarray(params["embed_tokens"]["embedding"])  # [V, D]
     ids = jnp.asarray([[0, 31, 32, 69], [69, 5, -3, 7]], jnp.int32)  # a negative (padding) id reads row 0
     np.testing.assert_array_equal(np.asarray(embedding_rows(cpu["embed_tokens"], ids)),

@@ -98,10 +98,21 @@ def load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(lib_path))
         for target, symbol in _SYMBOLS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        global _panel_width
+        _panel_width = int(lib.SpecjaxPanelWidth())
     except (OSError, RuntimeError, AttributeError) as e:
         logger.warning("the CPU kernels are off: %s", e)
         return None
     return TARGET
+
+
+_panel_width: int | None = None
+
+
+def panel_width() -> int | None:
+    """Output columns per panel of the built panel kernel (two of the machine's float vectors), or None
+    when the kernels are unavailable here."""
+    return _panel_width if load() is not None else None
 
 
 def available() -> bool:

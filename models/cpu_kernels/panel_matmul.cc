@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] . W[N, K]^T on the CPU, W stored as 32-column panels (issue 14).
+// y[M, N] = x[M, K] . W[N, K]^T on the CPU, W stored as panels two vectors wide (issue 14).
 //
 // Kernel body (Tile/Panels) / XLA FFI handler (SpecjaxPanelMatmul) / validated entry in
 // models/cpu_kernels/panel_matmul.py, with a numpy reference there.
@@ -6,10 +6,11 @@
 // Why: XLA:CPU takes a GEMV path for one row and a GEMM path that packs the weights on
 // every call for a few rows, so a (K+1)-token verify step cost 1.5-2x a one-token step
 // although both read the same weights once. Here the weights are packed once, at load:
-// panel p holds output columns [32p, 32p + 32) as a contiguous [K, 32] block. A tile of
-// up to kRowGroup rows streams its panel once, loading 32 weights per k and using them
-// for every row (32 * rows multiply-adds per 128 bytes), so a few rows cost about what one
-// does while the weights come from memory.
+// panel p holds output columns [kPanel p, kPanel (p + 1)) as a contiguous [K, kPanel] block,
+// kPanel = two of the machine's vectors (32 columns with AVX-512, 16 with AVX2, 8 with SSE or
+// NEON; SpecjaxPanelWidth tells the packing). A tile of up to kRowGroup rows streams its panel
+// once, loading kPanel weights per k and using them for every row, so a few rows cost about
+// what one does while the weights come from memory.
 //
 // Portable GNU C++ (vector extensions of the machine's own width, common.h; no intrinsics);
 // built on the machine that runs it with -march=native by models/cpu_kernels/build.py, so the
@@ -30,33 +31,36 @@ using specjax::kLanes;
 using specjax::LoadVec;
 using specjax::StoreVec;
 
-constexpr int64_t kPanel = 32;  // output columns per panel
-constexpr int kVecs = kPanel / kLanes;  // vectors per panel row: 2 (AVX-512), 4 (AVX2), 8 (SSE, NEON)
+constexpr int kVecs = 2;  // vectors per panel row
+constexpr int64_t kPanel = kVecs * kLanes;  // output columns per panel
 // Rows per tile: MR * kVecs accumulators stay in registers with the panel row's kVecs weight vectors
-// and the row broadcasts (more spills them to the stack, which costs more than re-reading the panel from
-// cache for the next row group). AVX2: 3 (12 of 16 ymm), measured against 2 and 4; AVX-512: 8 (16 of 32
-// zmm), measured with this kernel's earlier 16-lane code; aarch64: 3 by register count, not measured.
+// and the row broadcast (more spills them to the stack). A verify of K + 1 <= kRowGroup rows is then
+// one pass over each panel, streaming it from memory while the multiply-adds run; a second row group
+// re-reads the panel from cache after the stream, its multiply-adds no longer hidden behind it (what
+// made 5 rows cost 1.4x one with the earlier 32-column panels and 3-row tiles on AVX2). AVX2 (16 ymm):
+// 6 -> 12 accumulators; measured with a one-thread driver of SmolLM2's 30 gate/up products
+// (212 MB), 16-column panels of 6 rows vs 32-column panels of 3 rows: 1 row 18.9 / 18.3 ms,
+// 5 rows 21.6 / 25.2 ms, 40 rows 65 / 86 ms. AVX-512 (32 zmm): 8 -> 16 accumulators, as tuned for
+// its 32-column panels. SSE (16 xmm) and NEON: 6 by register count, not measured.
 #if defined(__AVX512F__)
 constexpr int kRowGroup = 8;
-#elif defined(__AVX__) || defined(__aarch64__)
-constexpr int kRowGroup = 3;
 #else
-constexpr int kRowGroup = 1;
+constexpr int kRowGroup = 6;
 #endif
-// Software prefetch distance in k steps (16 * 128 bytes = 2 KiB ahead): the hardware
-// prefetcher stops at 4 KiB pages; measured 16 as good as 32 or 64 and better than 8.
-constexpr int64_t kPrefetch = 16;
-// Panels claimed per task: small enough that two threads finish together.
-constexpr int64_t kChunk = 2;
+// Software prefetch 2 KiB ahead of the stream: the hardware prefetcher stops at 4 KiB pages;
+// measured 2 KiB as good as 4 or 8 KiB and better than 1 KiB.
+constexpr int64_t kPrefetchBytes = 2048;
+// Panels claimed per task (64 columns): small enough that two threads finish together.
+constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;
 
-// y[m0 + m, n0 : n0 + 32] = sum_k x[m0 + m, k] * panel[k, :] for m < MR.
+// y[m0 + m, n0 : n0 + kPanel] = sum_k x[m0 + m, k] * panel[k, :] for m < MR.
 template <int MR, typename W>
 inline void Tile(const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
   fvec acc[MR][kVecs] = {};
   for (int64_t k = 0; k < K; ++k) {
     const W* row = panel + k * kPanel;
-    __builtin_prefetch(row + kPrefetch * kPanel);
-    __builtin_prefetch(row + kPrefetch * kPanel + 16);
+    const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchBytes;
+    for (int64_t b = 0; b < kPanel * int64_t(sizeof(W)); b += 64) __builtin_prefetch(ahead + b);
     fvec w[kVecs];
     for (int v = 0; v < kVecs; ++v) w[v] = LoadVec(row + v * kLanes);
     for (int m = 0; m < MR; ++m) {
@@ -102,9 +106,9 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (x.element_type() != ffi::F32 || xd.size() != 2)
     return ffi::Error::InvalidArgument("specjax_panel_matmul: x must be float32 [M, K]");
   if (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("specjax_panel_matmul: w must be [P, K, 32] with x's K");
+    return ffi::Error::InvalidArgument("specjax_panel_matmul: w must be [P, K, SpecjaxPanelWidth()] with x's K");
   if (y->element_type() != ffi::F32 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] * kPanel)
-    return ffi::Error::InvalidArgument("specjax_panel_matmul: y must be float32 [M, 32 * P]");
+    return ffi::Error::InvalidArgument("specjax_panel_matmul: y must be float32 [M, P * SpecjaxPanelWidth()]");
   const float* xp = static_cast<const float*>(x.untyped_data());
   float* yp = static_cast<float*>(y->untyped_data());
   if (w.element_type() == ffi::F32) {
@@ -119,10 +123,13 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 
 }  // namespace
 
+// Output columns per panel in this build (what the packing in panel_matmul.py must use).
+extern "C" int SpecjaxPanelWidth() { return static_cast<int>(kPanel); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] float32
-                                  .Arg<ffi::AnyBuffer>()  // w [P, K, 32] float32 or bfloat16
-                                  .Ret<ffi::AnyBuffer>()  // y [M, 32 * P] float32
+                                  .Arg<ffi::AnyBuffer>()  // w [P, K, kPanel] float32 or bfloat16
+                                  .Ret<ffi::AnyBuffer>()  // y [M, kPanel * P] float32
 );
