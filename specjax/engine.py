@@ -236,6 +236,8 @@ class Engine:
         self.stats = EngineStats()
         self.spec_stats = SpecDecodeStats(kmax) if spec is not None else None
         self.latency = LatencyStats()
+        self._held = 0  # decoding steps the controller's last plan still serves (Decision.hold) ...
+        self._held_slots = np.zeros(0, np.int64)  # ... for these rows' slots, in this order
 
     # ------------------------------------------------------------------ buckets
 
@@ -311,6 +313,11 @@ class Engine:
     def _plan(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
         """(K, drafts per row, host drafts or None, detached) for a decoding step of ``rows``."""
         n = len(rows)
+        if self._held and len(self._held_slots) == n and np.array_equal(self._held_slots, slots):
+            self._held -= 1  # the controller's last plan (no drafts) serves this step too: no host work
+            self.controller.held_step()
+            return 0, np.zeros(n, np.int32), None, False
+        self._held = 0
         table = self.scheduler.slots
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
         # Drafts only where they can commit: never past max_tokens or max_model_len.
@@ -345,6 +352,7 @@ class Engine:
             return (k if limits.any() else 0), limits, host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
+        self._held, self._held_slots = plan.hold, slots
         return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
 
     def draft_ahead(self, k: int, decoding: bool) -> int:
@@ -387,6 +395,7 @@ class Engine:
         if decoding and self.spec_stats is not None:
             k, num_drafts, host_drafts, detached = self._plan(rows, slots)
         else:
+            self._held = 0
             k, num_drafts, host_drafts, detached = 0, np.zeros(n, np.int32), None, self._prefill_detached(rows)
         cfg = self.config
         bucket = (bucket_for(n, cfg.row_buckets, "num_seqs"),

@@ -172,6 +172,58 @@ def test_probe_waits_double_after_each_probe_of_a_request():
     assert probes == [4, 4 + 1 + 8, 4 + 1 + 8 + 1 + 16]
 
 
+def _run_steps(c: SpeculationController, steps: int) -> tuple[list[int], int]:
+    """Decoding steps of one row "a" as the engine runs them: a held plan serves ``Decision.hold`` steps
+    without planning. (K per step, number of plans.)"""
+    ks, plans, held = [], 0, 0
+    while len(ks) < steps:
+        if held:
+            held -= 1
+            c.held_step()
+            ks.append(0)
+            continue
+        d = _decide(c, 1, ["a"], [False], [K], [True])
+        plans += 1
+        ks.append(d.k)
+        held = d.hold
+    return ks, plans
+
+
+def test_a_plan_without_drafts_is_held_and_probes_still_fall_due_on_time():
+    costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
+    runs = {}
+    for replan_every in (0, 4):
+        c = _controller(costs, probe_every=5, replan_every=replan_every)
+        _teach(c, "a", 0.05)
+        runs[replan_every] = (*_run_steps(c, 20), int(c.k_histogram.sum()))
+    every, plans_every, _ = runs[0]
+    held, plans_held, counted = runs[4]
+    assert [i for i, k in enumerate(every) if k] == [5, 16]  # probes after 5 idle steps, then after 10
+    assert held == every and counted == 20  # the same steps, every one counted
+    assert plans_every == 20 and plans_held < 12
+
+
+def test_a_row_due_a_probe_that_found_no_draft_does_not_end_holds():
+    """A host proposer's lookup found nothing for the due row: it tries again at the next plan."""
+    costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
+    c = _controller(costs, probe_every=2, replan_every=4)
+    _teach(c, "a", 0.05)
+    holds = []
+    for _ in range(4):
+        plan = c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True]))
+        d = c.decide(1, plan, found=np.asarray([0]))
+        holds.append((bool(plan.probing[0]), d.k, d.hold))
+    assert holds == [(False, 0, 1), (False, 0, 0), (True, 0, 3), (True, 0, 3)]
+
+
+def test_no_plan_is_held_while_detaching_is_voted_on():
+    costs = {(1, k, False): 3.0 for k in range(K + 1)} | {(1, 0, True): 1.0}
+    c = _controller(costs, can_detach=True, detach_after=3, replan_every=8)
+    _teach(c, "a", 0.05)
+    decisions = [_decide(c, 1, ["a"], [False], [K], [True]) for _ in range(4)]
+    assert [(d.k, d.detached, d.hold) for d in decisions] == [(0, False, 0)] * 2 + [(0, True, 0)] * 2
+
+
 def test_one_slow_step_does_not_move_a_cost():
     c = _controller({})
     for seconds in (1.0, 1.1, 0.9, 30.0, 1.0):  # a GC pause or another process in the middle
@@ -254,6 +306,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(cost_max_age=1.5)
     with pytest.raises(ValueError, match="learn_z"):
         ControllerConfig(learn_z=-1.0)
+    with pytest.raises(ValueError, match="replan_every"):
+        ControllerConfig(replan_every=-2)
     with pytest.raises(ValueError, match="adaptive"):
         specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive="yes")
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
@@ -361,6 +415,32 @@ def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(targ
         [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     m = llm.get_metrics()
     assert m["num_detached_steps"] > 0 and m["num_detached_prefills"] == 0
+
+
+def test_engine_plans_a_step_kept_plain_once_per_replan_every_steps(target_dir):
+    """ngram cannot detach: where drafting cannot pay every step is an attached plain one, and the controller's
+    plan (host lookup included) serves replan_every steps of the same rows; output as plain decoding's."""
+    plain = specjax.LLM(target_dir, warmup=False, **KW)
+    llm = specjax.LLM(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                      "prompt_lookup_max": 3}, warmup=False, **KW)
+    c = llm.engine.controller
+    for rows in (1, 2, 4):  # a step with drafts costs 10x one without
+        for sampled in (False, True):
+            for k in range(c.k_max + 1):
+                c.costs.set((rows, k, False, sampled), 10.0 if k else 1.0)
+    c.costs.frozen = True
+    _learned(c)
+    plans = []
+    decide = c.decide
+    c.decide = lambda *a, **kw: plans.append(1) or decide(*a, **kw)
+    prompts = _prompts(8, [5, 9])
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    hist = llm.get_metrics()["k_histogram"]
+    decoding_steps = int(sum(hist))
+    assert hist[0] == decoding_steps >= 29  # no drafts (no probe is due within 32 steps)
+    assert len(plans) <= -(-decoding_steps // c.config.replan_every) + 1  # + 1: the rows changed at most once
 
 
 def test_prefill_runs_detached_when_drafting_cannot_pay_and_the_proposer_is_never_touched(target_dir, draft_dir):
