@@ -216,6 +216,16 @@ def test_a_row_due_a_probe_that_found_no_draft_does_not_end_holds():
     assert holds == [(False, 0, 1), (False, 0, 0), (True, 0, 3), (True, 0, 3)]
 
 
+def test_where_only_lookup_misses_keep_steps_plain_a_plan_is_held_one_step_longer_per_miss():
+    c = _controller(FLAT, replan_every=4)
+    _teach(c, "a", 0.9)
+    plan = lambda: c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True]))  # noqa: E731
+    holds = [c.decide(1, plan(), found=np.asarray([0])).hold for _ in range(6)]
+    assert holds == [0, 1, 2, 3, 3, 3]  # the next lookup may hit: at first it runs every step
+    assert c.decide(1, plan(), found=np.asarray([K])).k > 0  # drafts found: they pay
+    assert c.decide(1, plan(), found=np.asarray([0])).hold == 0  # the streak starts over
+
+
 def test_no_plan_is_held_while_detaching_is_voted_on():
     costs = {(1, k, False): 3.0 for k in range(K + 1)} | {(1, 0, True): 1.0}
     c = _controller(costs, can_detach=True, detach_after=3, replan_every=8)

@@ -89,7 +89,9 @@ class ControllerConfig:
     """A decision without drafts serves this many decoding steps of the same rows (0 or 1 = plan every step):
     without drafts nothing it rests on changes but the step costs, which move slowly, and planning is host
     work that a step kept plain pays over plain decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target).
-    It ends sooner where a probe falls due, while detaching is being voted on, and when the rows change."""
+    It ends sooner where a probe falls due, while detaching is being voted on, and when the rows change; where
+    only a host lookup's misses kept the step from drafting, a plan serves one step more per consecutive miss
+    (the next lookup may hit)."""
 
     def __post_init__(self) -> None:
         for name in ("prior_strength", "min_gain", "min_speedup", "learn_z"):
@@ -267,6 +269,7 @@ class SpeculationController:
         self._probe_wait: dict[str, int] = {}
         self._detach_votes = 0
         self._held_steps = 0  # decoding steps run on a held decision since the last plan
+        self._lookup_misses = 0  # consecutive plans kept plain only by a host lookup finding no drafts
         self.k_histogram = np.zeros(k_max + 1, np.int64)
         self.num_detached_steps = 0
         self.num_detached_prefills = 0
@@ -386,9 +389,25 @@ class SpeculationController:
         self.count_step(k, detached)
         hold = 0
         if k == 0 and not detached and not self._detach_votes:
+            limit = cfg.replan_every - 1
+            if found is not None and self._could_draft(rows, n, plan):
+                # Only the lookup's misses kept this step plain: the next lookup may hit, so a held plan grows
+                # by one step per consecutive miss (a lookup that keeps missing runs once per replan_every).
+                self._lookup_misses = 0 if cap_row.any() else self._lookup_misses + 1
+                limit = min(limit, self._lookup_misses - 1)
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
-            hold = max(0, min(cfg.replan_every - 1, plan.until_probe - 1))
+            hold = max(0, min(limit, plan.until_probe - 1))
+        else:
+            self._lookup_misses = 0
         return Decision(k=k, caps=caps, detached=detached, hold=hold)
+
+    def _could_draft(self, rows: int, n: int, plan: RowCaps) -> bool:
+        """Would the step draft if a host lookup found every draft the rows' estimates ask for? (By the weakest
+        of the rules in :meth:`decide`: learning, or beating the attached plain step by the margin.)"""
+        _, gains = self._gains(plan.reach, plan.caps)
+        draft_k, draft_rate, attached_rate, _ = self._rates(rows, n, gains, plan.sampled)
+        return draft_k > 0 and (draft_rate >= self.config.min_speedup * attached_rate
+                                or self._learning_k(rows, n, plan.caps, plan.sampled) > 0)
 
     def held_step(self) -> None:
         """A decoding step ran a held decision (:attr:`Decision.hold`) for the same rows, without planning."""
