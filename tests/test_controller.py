@@ -224,6 +224,7 @@ def test_where_only_lookup_misses_keep_steps_plain_a_plan_is_held_once_lookups_s
     # Hit rate 15/16 per miss: at or above 0.1 for the first 35 misses (the next lookup may hit), then held.
     assert holds[:35] == [0] * 35 and holds[35:] == [3] * 5
     assert c.decide(1, plan(), found=np.asarray([K])).k > 0  # drafts found: they pay
+    assert c.decide(1, plan(), found=np.asarray([0])).hold == 0  # a hit: lookups run every step again
 
 
 def test_no_plan_is_held_while_detaching_is_voted_on():

@@ -274,8 +274,8 @@ class SpeculationController:
         self._detach_votes = 0
         self._held_steps = 0  # decoding steps run on a held decision since the last plan
         self.lookup_hit_rate = 1.0
-        """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that would
-        have drafted had it found them all."""
+        """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that drafted or
+        would have had it found them all."""
         self.k_histogram = np.zeros(k_max + 1, np.int64)
         self.num_detached_steps = 0
         self.num_detached_prefills = 0
@@ -394,6 +394,8 @@ class SpeculationController:
                 self._idle_steps[rid] = self._idle_steps.get(rid, 0) + 1
         self.count_step(k, detached)
         hold = 0
+        if found is not None and k:  # the lookup found drafts worth verifying: a hit
+            self.lookup_hit_rate += (1.0 - self.lookup_hit_rate) / 16
         if k == 0 and not detached and not self._detach_votes:
             limit = cfg.replan_every - 1
             if found is not None and self._could_draft(rows, n, plan):
