@@ -77,6 +77,9 @@ def _build(cxx: str, out: Path) -> None:
             os.unlink(tmp)
 
 
+_panel_width: int | None = None  # what the loaded library's SpecjaxPanelWidth() returned
+
+
 @functools.cache
 def load() -> str | None:
     """Build (or find) and register the kernels; the panel matmul's target name, or None when unavailable.
@@ -104,9 +107,6 @@ def load() -> str | None:
         logger.warning("the CPU kernels are off: %s", e)
         return None
     return TARGET
-
-
-_panel_width: int | None = None
 
 
 def panel_width() -> int | None:
