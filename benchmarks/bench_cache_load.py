@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 import specjax
+from specjax.step import pack
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
     t0 = time.perf_counter()
     exe = runner.executables.get(bucket)
     get_s = time.perf_counter() - t0
-    batch, state, times = runner.host_batch(bucket), runner.state, []
+    batch, state, times = pack(runner.host_batch(bucket)), runner.state, []
     for _ in range(15):
         t0 = time.perf_counter()
         packed, state = exe(runner.params, state, batch)

@@ -14,6 +14,7 @@ Shape letters as in :mod:`specjax.kv_cache`; K = drafts per row, W = window.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -156,6 +157,99 @@ class StepBatch:
         )
 
 
+_WINDOW_FIELDS = ("tokens", "positions", "slot_mapping")  # the [B, T] fields, stacked in PackedBatch.window
+
+
+@flax.struct.dataclass
+class PackedBatch:
+    """A :class:`StepBatch` as the compiled step receives it: three int32 arrays, not 29.
+
+    Each argument of a compiled call costs host time (a jit call with ~35 small host arrays took 162 us, with
+    4 arrays 29 us); the engine's host buffers are numpy views into these three (:func:`host_buffers`), so
+    filling a step writes them in place. ``unpack`` (inside the step) restores the fields by static slices.
+    """
+
+    window: jax.Array
+    """int32 [B, 3, T]: tokens, positions and slot_mapping."""
+    host_drafts: jax.Array
+    """int32 [B, K]: ``StepBatch.host_drafts``."""
+    rows: jax.Array
+    """int32 [B, C]: every other field, one after another in :class:`StepBatch` order (float32 and uint32
+    fields as their bits, bool fields as 0 / 1)."""
+
+    def unpack(self) -> StepBatch:
+        """The fields, by static slices of the arrays (traced: free inside the step)."""
+        fields = {name: self.window[:, i] for i, name in enumerate(_WINDOW_FIELDS)}
+        fields["host_drafts"] = self.host_drafts
+        for name, start, width, dtype in _row_layout(_max_blocks(self.rows.shape[1])):
+            col = self.rows[:, start] if width is None else self.rows[:, start:start + width]
+            if dtype == np.bool_:
+                col = col != 0
+            elif dtype != np.int32:
+                col = jax.lax.bitcast_convert_type(col, dtype)
+            fields[name] = col
+        return StepBatch(**fields)
+
+
+def _row_fields(max_blocks: int) -> list[tuple[str, int | None, np.dtype]]:
+    """(name, width or None for a [B] field, dtype) of each field PackedBatch.rows holds, in order."""
+    template = StepBatch.zeros(1, 1, 0, max_blocks)
+    return [(name, None if a.ndim == 1 else a.shape[1], a.dtype) for name, a in vars(template).items()
+            if name not in _WINDOW_FIELDS and name != "host_drafts"]
+
+
+@functools.cache
+def _row_layout(max_blocks: int) -> tuple[tuple[str, int, int | None, np.dtype], ...]:
+    """(name, first column, width or None, dtype) of each field in PackedBatch.rows."""
+    out, start = [], 0
+    for name, width, dtype in _row_fields(max_blocks):
+        out.append((name, start, width, dtype))
+        start += 1 if width is None else width
+    return tuple(out)
+
+
+def _num_row_columns(max_blocks: int) -> int:
+    _, start, width, _ = _row_layout(max_blocks)[-1]
+    return start + (1 if width is None else width)
+
+
+@functools.cache
+def _max_blocks(columns: int) -> int:
+    """Inverse of :func:`_num_row_columns` (M is the only variable width in the rows)."""
+    fixed = _num_row_columns(0)
+    if columns < fixed:
+        raise ValueError(f"PackedBatch.rows has {columns} columns; at least {fixed} expected")
+    return columns - fixed
+
+
+def _host_views(packed: PackedBatch) -> StepBatch:
+    """StepBatch fields as numpy views into ``packed``'s host arrays (writes to them fill the packed step)."""
+    fields = {name: packed.window[:, i] for i, name in enumerate(_WINDOW_FIELDS)}
+    fields["host_drafts"] = packed.host_drafts
+    for name, start, width, dtype in _row_layout(_max_blocks(packed.rows.shape[1])):
+        col = packed.rows[:, start] if width is None else packed.rows[:, start:start + width]
+        fields[name] = col if dtype in (np.int32, np.bool_) else col.view(dtype)  # bool: 0 / 1 int32
+    return StepBatch(**fields)
+
+
+def host_buffers(batch: int, length: int, k: int, max_blocks: int) -> tuple[StepBatch, PackedBatch]:
+    """One bucket's host buffers, filled with the padding values: (StepBatch of views, the packed arrays)."""
+    packed = pack(StepBatch.zeros(batch, length, k, max_blocks))
+    return _host_views(packed), packed
+
+
+def pack(batch: StepBatch) -> PackedBatch:
+    """A host StepBatch copied into packed numpy arrays."""
+    b = batch.tokens.shape[0]
+    rows = np.empty((b, _num_row_columns(batch.block_tables.shape[1])), np.int32)
+    for name, start, width, dtype in _row_layout(batch.block_tables.shape[1]):
+        value = np.asarray(getattr(batch, name))
+        value = value.astype(np.int32) if dtype == np.bool_ else value.view(np.int32)
+        rows[:, start:start + (width or 1)] = value.reshape(b, width or 1)
+    return PackedBatch(window=np.stack([np.asarray(getattr(batch, n), np.int32) for n in _WINDOW_FIELDS], axis=1),
+                       host_drafts=np.asarray(batch.host_drafts, np.int32), rows=rows)
+
+
 def batch_keys(batch: StepBatch) -> jax.Array:
     """Typed PRNG keys [B]: depend only on the request and its output position, never on the batch."""
     return request_keys(jax.random.key(0), batch.seeds, batch.sample_indices, streams=batch.seed_streams)
@@ -264,12 +358,13 @@ def update_phase(spec: StepSpec, params, state: DecodeState, batch: StepBatch, d
     return packed, state.replace(proposer=pstate, sampling=sampling)
 
 
-def decode_step(spec: StepSpec, params, state: DecodeState, batch: StepBatch) -> tuple[jax.Array, DecodeState]:
+def decode_step(spec: StepSpec, params, state: DecodeState, packed: PackedBatch) -> tuple[jax.Array, DecodeState]:
     """One engine step: the four phases in one program. ``params = (target, proposer)``; ``state`` is donated.
 
     Returns (the packed int32 output of :func:`update_phase`, the new state). K (static) is
-    ``batch.host_drafts.shape[1]``; K = 0 is a plain step.
+    ``packed.host_drafts.shape[1]``; K = 0 is a plain step.
     """
+    batch = packed.unpack()
     drafts, q, state = propose_phase(spec, params, state, batch)  # [B, K], [B, K, V] | None
     logits, features, state = verify_phase(spec, params, state, batch, drafts)  # [B, K+1, V], [B, W, F] | None
     out, accepted = sample_phase(spec, state, batch, drafts, q, logits)  # [B, K+1], [B]

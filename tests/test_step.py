@@ -88,13 +88,15 @@ def test_one_fetch_and_one_call_per_step(target_dir, head_dir, method, monkeypat
               specjax.SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True, seed=1)]
     llm.generate(prompts, params, use_tqdm=False)  # the first real steps
     calls = {"n": 0}
-    executables = llm.runner.executables  # one executable per bucket: attached and detached steps alike
+    for executables in (llm.runner.executables, llm.runner.detached_executables):  # detached: syncing methods
+        if executables is None:
+            continue
 
-    def get(bucket, _real=executables.get):
-        calls["n"] += 1
-        return _real(bucket)
+        def get(bucket, _real=executables.get):
+            calls["n"] += 1
+            return _real(bucket)
 
-    monkeypatch.setattr(executables, "get", get)
+        monkeypatch.setattr(executables, "get", get)
     fetches = _Fetches(monkeypatch)
     steps_before = llm.get_metrics()["num_steps"]
     with count_compiles() as compiles:
@@ -150,3 +152,37 @@ def test_profile_mode_splits_phase_times_and_keeps_output(target_dir):
     assert m["draft_time_s"] > 0 and m["verify_time_s"] > 0 and m["sample_time_s"] > 0
     assert "draft_time_s" not in fused.get_metrics()
     assert np.isfinite(m["mean_step_s"]) and m["mean_step_s"] > 0
+
+
+def test_packed_batch_round_trips_every_field_and_host_views_write_through():
+    """The compiled step receives a StepBatch as three int32 arrays; unpacking (as inside the step) gives back
+    each field with its dtype and values, and the engine's host buffers are views that fill those arrays."""
+    from specjax.step import StepBatch, host_buffers, pack
+
+    rng = np.random.default_rng(0)
+    b, t, k, m = 3, 5, 2, 7
+    fields = {}
+    for name, a in vars(StepBatch.zeros(b, t, k, m)).items():
+        if a.dtype == np.bool_:
+            fields[name] = rng.random(a.shape) < 0.5
+        elif a.dtype == np.float32:
+            fields[name] = rng.normal(size=a.shape).astype(np.float32)
+            fields[name].flat[0] = -np.inf  # bits survive: a banned bias
+        elif a.dtype == np.uint32:
+            fields[name] = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
+        else:
+            fields[name] = rng.integers(-1, 1000, a.shape).astype(np.int32)
+    original = StepBatch(**fields)
+    packed = pack(original)
+    assert [x.dtype for x in jax.tree.leaves(packed)] == [np.int32] * 3
+    unpacked = jax.jit(lambda p: p.unpack())(packed)
+    for name, want in fields.items():
+        got = np.asarray(getattr(unpacked, name))
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+    views, buffers = host_buffers(b, t, k, m)
+    for name, want in fields.items():
+        getattr(views, name)[...] = want
+    for got, want in zip(jax.tree.leaves(buffers), jax.tree.leaves(packed)):
+        np.testing.assert_array_equal(got, want)
