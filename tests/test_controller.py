@@ -213,7 +213,25 @@ def test_a_row_due_a_probe_that_found_no_draft_does_not_end_holds():
         plan = c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True]))
         d = c.decide(1, plan, found=np.asarray([0]))
         holds.append((bool(plan.probing[0]), d.k, d.hold))
-    assert holds == [(False, 0, 1), (False, 0, 0), (True, 0, 3), (True, 0, 3)]
+    # The second held plan in a row for the same rows holds twice as long (replan_every doubles).
+    assert holds == [(False, 0, 1), (False, 0, 0), (True, 0, 3), (True, 0, 7)]
+
+
+def test_holds_double_for_the_same_rows_up_to_8x_and_start_over_when_rows_change_or_a_plan_drafts():
+    costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
+    c = _controller(costs, probe_every=0, replan_every=4)
+    _teach(c, "a", 0.05)
+    _teach(c, "b", 0.3)  # pays only if drafting costs what a plain step costs
+    holds = [_decide(c, 1, ["a"], [False], [K], [True]).hold for _ in range(6)]
+    assert holds == [3, 7, 15, 31, 31, 31]
+    assert _decide(c, 1, ["b"], [False], [K], [True]).hold == 3  # other rows: from replan_every again
+    assert _decide(c, 1, ["b"], [False], [K], [True]).hold == 7
+    for k in range(1, K + 1):  # drafting gets as cheap as a plain step: the next plan drafts ...
+        c.costs.set((1, k, False, False), 1.0)
+    assert _decide(c, 1, ["b"], [False], [K], [True]).k > 0
+    for k in range(1, K + 1):  # ... and the run of holds after it starts over
+        c.costs.set((1, k, False, False), 3.0)
+    assert [_decide(c, 1, ["b"], [False], [K], [True]).hold for _ in range(2)] == [3, 7]
 
 
 def test_where_only_lookup_misses_keep_steps_plain_a_plan_is_held_once_lookups_seldom_hit():

@@ -86,12 +86,13 @@ class ControllerConfig:
     """A row that has not drafted for this many decoding steps drafts one token (0 = never probe); the wait
     doubles after each probe of the same request."""
     replan_every: int = 8
-    """A decision without drafts serves this many decoding steps of the same rows (0 or 1 = plan every step):
-    without drafts nothing it rests on changes but the step costs, which move slowly, and planning is host
-    work that a step kept plain pays over plain decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target).
-    It ends sooner where a probe falls due, while detaching is being voted on, and when the rows change; where
-    only a host lookup's misses kept the step from drafting, only while such lookups seldom hit
-    (``min_lookup_hits``)."""
+    """A decision without drafts serves this many decoding steps of the same rows (0 or 1 = plan every step),
+    twice as many for each such decision in a row that held for the same rows (up to 8x; not where only a host
+    lookup's misses kept the step plain, see below): without drafts
+    nothing it rests on changes but the step costs, which move slowly, and planning is host work that a step
+    kept plain pays over plain decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target). It ends sooner
+    where a probe falls due, while detaching is being voted on, and when the rows change; where only a host
+    lookup's misses kept the step from drafting, only while such lookups seldom hit (``min_lookup_hits``)."""
     min_lookup_hits: float = 0.1
     """A plan kept plain only because a host lookup found no drafts is held (``replan_every``) only while fewer
     than this share of recent such lookups found any: the next lookup may hit, and a hit is worth far more
@@ -146,8 +147,8 @@ class CostModel:
         self.max_age = max_age
         self.frozen = False
         """Ignore new measurements (tests pin a table with :meth:`set`)."""
-        self.seconds: dict[tuple, float] = {}
-        """Each kind's cost before the cap (see the class docstring)."""
+        self._seconds: dict[tuple, float] = {}  # each kind's cost before the cap (see the class docstring)
+        self._dirty: dict[tuple, set] = {}  # (rows, sampled) -> its kinds measured since the last refresh
         self._real: dict[tuple, collections.deque] = {}
         self._warm: dict[tuple, collections.deque] = {}
         self._median: dict[tuple, float] = {}  # (kind, warmup) -> median of its deque
@@ -157,35 +158,53 @@ class CostModel:
         self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement
 
     def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
-        """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup."""
+        """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup.
+
+        Runs every step, so it only records: medians and the envelope are recomputed when a cost is next read
+        (plans are made far less often than steps run)."""
         if self.frozen:
             return
+        bucket = (key[0], key[3])
         store = self._warm if warmup else self._real
         times = store.get(key)
+        if not warmup and times is not None and self.age(key) >= self.max_age > 0:
+            times = None  # stale (as the next refresh would find it): the new measurement starts over
         if times is None:
             times = store[key] = collections.deque(maxlen=self.window)
         times.append(seconds)
-        self._median[key, warmup] = statistics.median(times)
-        self._kinds.setdefault((key[0], key[3]), set()).add(key)
+        self._dirty.setdefault(bucket, set()).add((key, warmup))
+        self._kinds.setdefault(bucket, set()).add(key)
         if not warmup:
-            bucket = (key[0], key[3])
             self._clock[bucket] = self._stamp[key] = self._clock.get(bucket, 0) + 1
-        self._refresh(key)
 
     def set(self, key: tuple, seconds: float) -> None:
         """Replace a kind's measurements by one real value."""
+        bucket = (key[0], key[3])
         self._real[key] = collections.deque([seconds], maxlen=self.window)
-        self._median[key, False] = seconds
-        self._kinds.setdefault((key[0], key[3]), set()).add(key)
-        self._stamp[key] = self._clock.get((key[0], key[3]), 0)
-        self._refresh(key)
+        self._dirty.setdefault(bucket, set()).add((key, False))
+        self._kinds.setdefault(bucket, set()).add(key)
+        self._stamp[key] = self._clock.get(bucket, 0)
 
-    def _refresh(self, key: tuple) -> None:
-        """Recompute the costs of ``key``'s bucket (rows, sampled), then their cap: a suffix minimum in work
-        order (detached K=0, then attached K=0, 1, ...)."""
-        kinds = self._kinds[key[0], key[3]]
+    @property
+    def seconds(self) -> dict[tuple, float]:
+        """Each kind's cost before the cap (see the class docstring)."""
+        self._flush()
+        return self._seconds
+
+    def _flush(self) -> None:
+        """Bring the medians and costs of every bucket measured since the last read up to date."""
+        while self._dirty:
+            bucket, changed = self._dirty.popitem()
+            for key, warmup in changed:
+                self._median[key, warmup] = statistics.median((self._warm if warmup else self._real)[key])
+            self._refresh(bucket)
+
+    def _refresh(self, bucket: tuple) -> None:
+        """Recompute the costs of ``bucket`` = (rows, sampled), then their cap: a suffix minimum in work order
+        (detached K=0, then attached K=0, 1, ...)."""
+        kinds = self._kinds[bucket]
         if self.max_age and not self.frozen:
-            clock = self._clock.get((key[0], key[3]), 0)
+            clock = self._clock.get(bucket, 0)
             for kk in kinds:
                 if kk in self._real and kk in self._warm and clock - self._stamp[kk] >= self.max_age:
                     del self._real[kk]  # stale: its scaled warmup time stands in until it is chosen again
@@ -194,10 +213,10 @@ class CostModel:
         ratios = [real[kk] / med[kk, True] for kk in real if kk in self._warm]
         scale = statistics.median(ratios) if ratios else 1.0
         for kk in kinds:
-            self.seconds[kk] = real[kk] if kk in real else med[kk, True] * scale
+            self._seconds[kk] = real[kk] if kk in real else med[kk, True] * scale
         low = math.inf
         for kk in sorted(kinds, key=lambda kk: (not kk[2], kk[1]), reverse=True):
-            low = min(low, self.seconds[kk])
+            low = min(low, self._seconds[kk])
             self._capped[kk] = low
 
     def get(self, key: tuple) -> float | None:
@@ -212,6 +231,7 @@ class CostModel:
     def estimate(self, rows: int, k: int, detached: bool, sampled: bool = False) -> float:
         """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
         bucket that does more work."""
+        self._flush()
         got = self._capped.get((rows, k, detached, sampled))
         if got is not None:
             return got
@@ -273,6 +293,8 @@ class SpeculationController:
         self._probe_wait: dict[str, int] = {}
         self._detach_votes = 0
         self._held_steps = 0  # decoding steps run on a held decision since the last plan
+        self._held_plans = 0  # consecutive plans that held (for the same rows, ``_held_ids``) before this one
+        self._held_ids: list[str] | None = None
         self.lookup_hit_rate = 1.0
         """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that drafted or
         would have had it found them all."""
@@ -396,16 +418,21 @@ class SpeculationController:
         hold = 0
         if found is not None and k:  # the lookup found drafts worth verifying: a hit
             self.lookup_hit_rate += (1.0 - self.lookup_hit_rate) / 16
+        same_rows = plan.request_ids == self._held_ids
+        self._held_ids, self._held_plans = plan.request_ids, self._held_plans + 1 if same_rows else 0
         if k == 0 and not detached and not self._detach_votes:
-            limit = cfg.replan_every - 1
+            # Each plan in a row that keeps the same rows plain holds twice as long, up to 8x.
+            limit = cfg.replan_every * (1 << min(self._held_plans, 3)) - 1
             if found is not None and self._could_draft(rows, n, plan):
                 # Only the lookup's misses kept this step plain, and the next lookup may hit: skip lookups only
                 # for a method whose lookups seldom find drafts (their host time would not pay).
                 self.lookup_hit_rate += (float(cap_row.any()) - self.lookup_hit_rate) / 16
-                if self.lookup_hit_rate >= cfg.min_lookup_hits:
-                    limit = 0
+                # (Held no longer than replan_every: a lookup that hits after the text turns repetitive drafts.)
+                limit = cfg.replan_every - 1 if self.lookup_hit_rate < cfg.min_lookup_hits else 0
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
             hold = max(0, min(limit, plan.until_probe - 1))
+        if not hold:
+            self._held_plans, self._held_ids = 0, None
         return Decision(k=k, caps=caps, detached=detached, hold=hold)
 
     def _could_draft(self, rows: int, n: int, plan: RowCaps) -> bool:
