@@ -284,7 +284,8 @@ class Engine:
         self.spec_stats = SpecDecodeStats(kmax) if spec is not None else None
         self.latency = LatencyStats()
         self._held = 0  # decoding steps the controller's last plan still serves (Decision.hold) ...
-        self._held_slots = np.zeros(0, np.int64)  # ... for these rows' slots, in this order
+        self._held_slots = np.zeros(0, np.int64)  # ... for these rows' slots, in this order ...
+        self._held_plan: tuple[int, np.ndarray] = (0, np.zeros(0, np.int32))  # ... with this K and these caps
 
     # ------------------------------------------------------------------ buckets
 
@@ -361,13 +362,55 @@ class Engine:
         """(K, drafts per row, host drafts or None, detached) for a decoding step of ``rows``."""
         n = len(rows)
         if self._held and len(self._held_slots) == n and np.array_equal(self._held_slots, slots):
-            self._held -= 1  # the controller's last plan (no drafts) serves this step too: no host work
-            self.controller.held_step()
-            return 0, np.zeros(n, np.int32), None, False
+            return self._held_step(rows, slots)
         self._held = 0
-        table = self.scheduler.slots
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
-        # Drafts only where they can commit: never past max_tokens or max_model_len.
+        limits, can_draft = self._row_limits(rows, slots, k)
+        if self.controller is not None and self.proposer.syncs and not self.scheduler.slots.synced[slots].any():
+            # Every row's proposer state is stale (they missed detached steps): plain steps from here on,
+            # with no host work for a choice that has none.
+            self.controller.count_step(0, detached=True)
+            return 0, np.zeros(n, np.int32), None, True
+        ids = [r.request.request_id for r in rows]
+        wanted = None
+        if self.controller is not None:
+            wanted = self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits,
+                                              can_draft)
+            limits = wanted.caps.astype(np.int32)  # rows not worth drafting are not even looked up
+        host_drafts = None
+        if self.proposer.host_side and k:
+            host_drafts = self._lookup(ids, slots, limits)
+            limits = np.asarray([len(d) for d in host_drafts], np.int32)
+        if self.controller is None:  # a static K: the step verifies K drafts whenever any row has one
+            return (k if limits.any() else 0), limits, host_drafts, False
+        plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
+                                      found=limits if host_drafts is not None else None, can_draft=can_draft)
+        self._held, self._held_slots, self._held_plan = plan.hold, slots, (plan.k, plan.caps)
+        return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
+
+    def _held_step(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
+        """A step of the same rows under the controller's last plan (:attr:`Decision.hold`), without planning:
+        no drafts, or each row's drafts up to its planned cap (those a host lookup finds; K = the most any row
+        has)."""
+        self._held -= 1
+        k, caps = self._held_plan
+        if k == 0:
+            self.controller.held_step(0)
+            return 0, np.zeros(len(rows), np.int32), None, False
+        limits, _ = self._row_limits(rows, slots, k)
+        np.minimum(limits, caps, out=limits)
+        host_drafts = None
+        if self.proposer.host_side:
+            host_drafts = self._lookup([r.request.request_id for r in rows], slots, limits)
+            limits = np.asarray([len(d) for d in host_drafts], np.int32)
+        k = int(limits.max())
+        self.controller.held_step(k)
+        return k, limits, host_drafts, False
+
+    def _row_limits(self, rows, slots: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(int32 [R]: the most drafts each row can verify, bool [R]: its proposer state is current). Drafts only
+        where they can commit: never past max_tokens or max_model_len."""
+        table = self.scheduler.slots
         limits = np.array([
             max(0, min(k, r.request.params.max_tokens - len(r.request.output_token_ids) - 1,
                        self.config.max_model_len - r.request.num_tokens - 1)) if r.samples else 0
@@ -378,29 +421,15 @@ class Engine:
             ready = table.ready_drafts[slots]
             can_draft &= ready > 0
             np.minimum(limits, ready, out=limits)
-        if self.controller is not None and self.proposer.syncs and not table.synced[slots].any():
-            # Every row's proposer state is stale (they missed detached steps): plain steps from here on,
-            # with no host work for a choice that has none.
-            self.controller.count_step(0, detached=True)
-            return 0, np.zeros(n, np.int32), None, True
         limits *= can_draft
-        ids = [r.request.request_id for r in rows]
-        wanted = None
-        if self.controller is not None:
-            wanted = self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits,
-                                              can_draft)
-            limits = wanted.caps.astype(np.int32)  # rows not worth drafting are not even looked up
-        host_drafts = None
-        if self.proposer.host_side and k:
-            host_drafts = (self.proposer.propose_host(ids, [table.history(s) for s in slots], limits.tolist())
-                           if limits.any() else [np.zeros(0, np.int32)] * n)
-            limits = np.asarray([len(d) for d in host_drafts], np.int32)
-        if self.controller is None:  # a static K: the step verifies K drafts whenever any row has one
-            return (k if limits.any() else 0), limits, host_drafts, False
-        plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
-                                      found=limits if host_drafts is not None else None, can_draft=can_draft)
-        self._held, self._held_slots = plan.hold, slots
-        return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
+        return limits, can_draft
+
+    def _lookup(self, ids: list[str], slots: np.ndarray, limits: np.ndarray) -> list[np.ndarray]:
+        """A host proposer's drafts for each row, at most ``limits`` each."""
+        if not limits.any():
+            return [np.zeros(0, np.int32)] * len(ids)
+        table = self.scheduler.slots
+        return self.proposer.propose_host(ids, [table.history(s) for s in slots], limits.tolist())
 
     def draft_ahead(self, k: int, decoding: bool) -> int:
         """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all

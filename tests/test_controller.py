@@ -499,3 +499,24 @@ def test_prefill_runs_detached_when_drafting_cannot_pay_and_the_proposer_is_neve
     assert len(before) == len(after) > 0
     for a, b in zip(before, after):  # the draft model's KV cache was never written
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_a_drafting_plan_is_held_for_draft_replan_every_steps_and_its_undrafted_rows_stay_idle():
+    costs = {(2, k, False): 1.0 + 0.1 * k for k in range(K + 1)}
+    c = _controller(costs, probe_every=5, draft_replan_every=4)
+    _teach(c, "a", 0.9)
+    _teach(c, "b", 0.0)
+    d = _decide(c, 2, ["a", "b"], [False, False], [K, K], [True, True])
+    assert d.k > 0 and d.caps.tolist() == [d.k, 0] and d.hold == 3
+    for _ in range(d.hold):
+        c.held_step(d.k)
+    # "b" drafted in none of the 4 steps: idle for 4, so its probe falls due one plan later (probe_every 5) ...
+    assert not c.row_caps(["a", "b"], [False, False], np.asarray([K, K]), np.asarray([True, True])).probing[1]
+    d = _decide(c, 2, ["a", "b"], [False, False], [K, K], [True, True])
+    assert d.caps[1] == 0
+    probe = _decide(c, 2, ["a", "b"], [False, False], [K, K], [True, True])
+    assert probe.caps[1] == 1 and probe.hold == 0  # ... and a plan that probes is not held
+    assert c.k_histogram.sum() == 1 + 3 + 1 + 1  # three plans and the three held steps between
+    every = _controller(costs, probe_every=5, draft_replan_every=1)
+    _teach(every, "a", 0.9)
+    assert _decide(every, 2, ["a"], [False], [K], [True]).hold == 0

@@ -93,6 +93,13 @@ class ControllerConfig:
     kept plain pays over plain decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target). It ends sooner
     where a probe falls due, while detaching is being voted on, and when the rows change; where only a host
     lookup's misses kept the step from drafting, only while such lookups seldom hit (``min_lookup_hits``)."""
+    draft_replan_every: int = 4
+    """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), each
+    row drafting up to its cap, unless it probes, explores a neighbouring K, learns the method's acceptance or
+    detaching is being voted on:
+    planning costs 0.3-0.4 ms of host work (cold caches after a step: numpy calls cost several times their
+    microbenchmark), 5-13% of a drafting step on the shipped target, and a row's estimate moves little in a
+    few steps."""
     min_lookup_hits: float = 0.1
     """A plan kept plain only because a host lookup found no drafts is held (``replan_every``) only while fewer
     than this share of recent such lookups found any: the next lookup may hit, and a hit is worth far more
@@ -106,7 +113,7 @@ class ControllerConfig:
         if not (0.0 <= self.initial_acceptance <= 1.0):
             raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
         for name, low in (("cost_window", 1), ("cost_max_age", 0), ("learn_drafts", 0), ("detach_after", 0),
-                          ("probe_every", 0), ("replan_every", 0)):
+                          ("probe_every", 0), ("replan_every", 0), ("draft_replan_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
@@ -276,7 +283,7 @@ class Decision:
     """Run the target alone (proposer state of these rows goes stale); only for proposers that sync."""
     hold: int = 0
     """The next this-many decoding steps of the same rows may run this decision without planning
-    (:meth:`SpeculationController.held_step`); only for a decision without drafts (``replan_every``)."""
+    (:meth:`SpeculationController.held_step`): ``replan_every`` without drafts, ``draft_replan_every`` with."""
 
 
 class SpeculationController:
@@ -295,6 +302,7 @@ class SpeculationController:
         self._held_steps = 0  # decoding steps run on a held decision since the last plan
         self._held_plans = 0  # consecutive plans that held (for the same rows, ``_held_ids``) before this one
         self._held_ids: list[str] | None = None
+        self._held_idle: list[str] = []  # the rows the held decision gave no drafts
         self.lookup_hit_rate = 1.0
         """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that drafted or
         would have had it found them all."""
@@ -347,8 +355,8 @@ class SpeculationController:
         """
         # Runs every decoding step: few numpy calls, as each costs microseconds at these sizes.
         cfg, m = self.config, self.config.prior_strength
-        if self._held_steps:  # steps run on a held decision drafted nothing: the rows were idle
-            for rid in request_ids:
+        if self._held_steps:  # steps run on a held decision: its rows without drafts were idle
+            for rid in self._held_idle:
                 self._idle_steps[rid] = self._idle_steps.get(rid, 0) + self._held_steps
             self._held_steps = 0
         priors = (self._prior(False), self._prior(True))
@@ -404,7 +412,8 @@ class SpeculationController:
             # still being voted on would be slower than both drafting and the target alone.)
             drafting = draft_k > 0 and draft_rate >= cfg.min_speedup * attached_rate
         k = self._explore(rows, draft_k, caps_at, plan.sampled) if drafting else 0
-        if k == 0 and not detached and (plan.probing & (cap_row > 0)).any():
+        probes = (plan.probing & (cap_row > 0)).any()
+        if k == 0 and not detached and probes:
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
         caps = caps_at[:, k].astype(np.int32) if k else np.zeros(n, np.int32)
         for rid, c, probe in zip(plan.request_ids, caps, plan.probing):
@@ -431,8 +440,11 @@ class SpeculationController:
                 limit = cfg.replan_every - 1 if self.lookup_hit_rate < cfg.min_lookup_hits else 0
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
             hold = max(0, min(limit, plan.until_probe - 1))
-        if not hold:
+        if not hold or k:
             self._held_plans, self._held_ids = 0, None
+        if k and k == draft_k and not learn_k and not probes and not self._detach_votes:
+            hold = max(0, cfg.draft_replan_every - 1)
+        self._held_idle = [rid for rid, c in zip(plan.request_ids, caps) if not c] if hold else []
         return Decision(k=k, caps=caps, detached=detached, hold=hold)
 
     def _could_draft(self, rows: int, n: int, plan: RowCaps) -> bool:
@@ -443,10 +455,11 @@ class SpeculationController:
         return draft_k > 0 and (draft_rate >= self.config.min_speedup * attached_rate
                                 or self._learning_k(rows, n, plan.caps, plan.sampled) > 0)
 
-    def held_step(self) -> None:
-        """A decoding step ran a held decision (:attr:`Decision.hold`) for the same rows, without planning."""
+    def held_step(self, k: int = 0) -> None:
+        """A decoding step of K = ``k`` ran a held decision (:attr:`Decision.hold`) for the same rows, without
+        planning."""
         self._held_steps += 1
-        self.count_step(0, False)
+        self.count_step(k, False)
 
     def _explore(self, rows: int, k: int, caps_at: np.ndarray, sampled: bool) -> int:
         """``k``, or a neighbouring drafting K whose cost was not measured in a real step for ``cost_max_age``
