@@ -520,3 +520,13 @@ def test_a_drafting_plan_is_held_for_draft_replan_every_steps_and_its_undrafted_
     every = _controller(costs, probe_every=5, draft_replan_every=1)
     _teach(every, "a", 0.9)
     assert _decide(every, 2, ["a"], [False], [K], [True]).hold == 0
+
+
+def test_a_plan_drafting_what_a_host_lookup_found_is_not_held():
+    costs = {(1, k, False): 1.0 + 0.1 * k for k in range(K + 1)}
+    c = _controller(costs, probe_every=0, draft_replan_every=4)
+    _teach(c, "a", 0.9)
+    plan = c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True]))
+    d = c.decide(1, plan, found=np.asarray([K]))
+    assert d.k > 0 and d.hold == 0
+    assert _decide(c, 1, ["a"], [False], [K], [True]).hold == 3  # the same drafts from a device proposer

@@ -95,8 +95,9 @@ class ControllerConfig:
     lookup's misses kept the step from drafting, only while such lookups seldom hit (``min_lookup_hits``)."""
     draft_replan_every: int = 4
     """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), each
-    row drafting up to its cap, unless it probes, explores a neighbouring K, learns the method's acceptance or
-    detaching is being voted on:
+    row drafting up to its cap, unless it probes, explores a neighbouring K, learns the method's acceptance,
+    detaching is being voted on, or the drafts come from a host lookup (what a lookup finds changes every step,
+    and so does whether verifying it pays: ngram at batch 8 held such plans at 0.89x plain):
     planning costs 0.3-0.4 ms of host work (cold caches after a step: numpy calls cost several times their
     microbenchmark), 5-13% of a drafting step on the shipped target, and a row's estimate moves little in a
     few steps."""
@@ -442,7 +443,7 @@ class SpeculationController:
             hold = max(0, min(limit, plan.until_probe - 1))
         if not hold or k:
             self._held_plans, self._held_ids = 0, None
-        if k and k == draft_k and not learn_k and not probes and not self._detach_votes:
+        if k and found is None and k == draft_k and not learn_k and not probes and not self._detach_votes:
             hold = max(0, cfg.draft_replan_every - 1)
         self._held_idle = [rid for rid, c in zip(plan.request_ids, caps) if not c] if hold else []
         return Decision(k=k, caps=caps, detached=detached, hold=hold)
