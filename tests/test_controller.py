@@ -337,6 +337,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(learn_z=-1.0)
     with pytest.raises(ValueError, match="replan_every"):
         ControllerConfig(replan_every=-2)
+    with pytest.raises(ValueError, match="draft_replan_every"):
+        ControllerConfig(draft_replan_every=True)
     with pytest.raises(ValueError, match="min_lookup_hits"):
         ControllerConfig(min_lookup_hits=-0.5)
     with pytest.raises(ValueError, match="adaptive"):
