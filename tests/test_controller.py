@@ -532,3 +532,15 @@ def test_a_plan_drafting_what_a_host_lookup_found_is_not_held():
     d = c.decide(1, plan, found=np.asarray([K]))
     assert d.k > 0 and d.hold == 0
     assert _decide(c, 1, ["a"], [False], [K], [True]).hold == 3  # the same drafts from a device proposer
+
+
+def test_a_request_that_finishes_during_a_held_plan_leaves_no_state_behind():
+    costs = {(2, k, False): 3.0 for k in range(1, K + 1)} | {(2, 0, False): 1.0}
+    c = _controller(costs, probe_every=0, replan_every=4)
+    _teach(c, "a", 0.05)
+    d = _decide(c, 2, ["a", "b"], [False, False], [K, K], [True, True])
+    assert d.k == 0 and d.hold == 3
+    c.held_step()
+    c.finish("a")  # "a" finished during the hold: the next plan has "b" alone
+    _decide(c, 2, ["b"], [False], [K], [True])
+    assert "a" not in c._idle_steps and "a" not in c._request_stats

@@ -175,7 +175,7 @@ class CostModel:
         bucket = (key[0], key[3])
         store = self._warm if warmup else self._real
         times = store.get(key)
-        if not warmup and times is not None and self.age(key) >= self.max_age > 0:
+        if not warmup and times is not None and key in self._warm and self.age(key) >= self.max_age > 0:
             times = None  # stale (as the next refresh would find it): the new measurement starts over
         if times is None:
             times = store[key] = collections.deque(maxlen=self.window)
@@ -358,7 +358,8 @@ class SpeculationController:
         cfg, m = self.config, self.config.prior_strength
         if self._held_steps:  # steps run on a held decision: its rows without drafts were idle
             for rid in self._held_idle:
-                self._idle_steps[rid] = self._idle_steps.get(rid, 0) + self._held_steps
+                if rid in self._idle_steps:  # (a request that finished during the hold is gone)
+                    self._idle_steps[rid] += self._held_steps
             self._held_steps = 0
         priors = (self._prior(False), self._prior(True))
         stats = [self._request_stats.get(rid) for rid in request_ids]
@@ -444,7 +445,7 @@ class SpeculationController:
         if not hold or k:
             self._held_plans, self._held_ids = 0, None
         if k and found is None and k == draft_k and not learn_k and not probes and not self._detach_votes:
-            hold = max(0, cfg.draft_replan_every - 1)
+            hold = max(0, min(cfg.draft_replan_every - 1, plan.until_probe - 1))
         self._held_idle = [rid for rid, c in zip(plan.request_ids, caps) if not c] if hold else []
         return Decision(k=k, caps=caps, detached=detached, hold=hold)
 
