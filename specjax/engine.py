@@ -162,11 +162,10 @@ class StepRunner:
             exe, proposer_state = self.detached_executables.get(bucket), self.state.proposer
             out, state = exe((self.params[0], None), self.state.replace(proposer=None), packed)
             self.state = state.replace(proposer=proposer_state)
-            out = np.asarray(out)
         else:
             exe = self.executables.get(bucket)
             out, self.state = exe(self.params, self.state, packed)
-            out = np.asarray(out)
+        out = np.asarray(out)  # the step's one fetch (a no-op after _run_phases)
         self.compiled_last_run = self.num_compiles != compiles
         return out
 
@@ -379,8 +378,7 @@ class Engine:
             limits = wanted.caps.astype(np.int32)  # rows not worth drafting are not even looked up
         host_drafts = None
         if self.proposer.host_side and k:
-            host_drafts = self._lookup(ids, slots, limits)
-            limits = np.asarray([len(d) for d in host_drafts], np.int32)
+            host_drafts, limits = self._lookup(ids, slots, limits)
         if self.controller is None:  # a static K: the step verifies K drafts whenever any row has one
             return (k if limits.any() else 0), limits, host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
@@ -401,8 +399,7 @@ class Engine:
         np.minimum(limits, caps, out=limits)
         host_drafts = None
         if self.proposer.host_side:
-            host_drafts = self._lookup([r.request.request_id for r in rows], slots, limits)
-            limits = np.asarray([len(d) for d in host_drafts], np.int32)
+            host_drafts, limits = self._lookup([r.request.request_id for r in rows], slots, limits)
         k = int(limits.max())
         self.controller.held_step(k)
         return k, limits, host_drafts, False
@@ -424,12 +421,13 @@ class Engine:
         limits *= can_draft
         return limits, can_draft
 
-    def _lookup(self, ids: list[str], slots: np.ndarray, limits: np.ndarray) -> list[np.ndarray]:
-        """A host proposer's drafts for each row, at most ``limits`` each."""
+    def _lookup(self, ids: list[str], slots: np.ndarray, limits: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """A host proposer's drafts for each row (at most ``limits`` each) and how many it found (int32 [R])."""
         if not limits.any():
-            return [np.zeros(0, np.int32)] * len(ids)
+            return [np.zeros(0, np.int32)] * len(ids), np.zeros(len(ids), np.int32)
         table = self.scheduler.slots
-        return self.proposer.propose_host(ids, [table.history(s) for s in slots], limits.tolist())
+        drafts = self.proposer.propose_host(ids, [table.history(s) for s in slots], limits.tolist())
+        return drafts, np.asarray([len(d) for d in drafts], np.int32)
 
     def draft_ahead(self, k: int, decoding: bool) -> int:
         """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all

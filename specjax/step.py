@@ -179,31 +179,24 @@ class PackedBatch:
 
     def unpack(self) -> StepBatch:
         """The fields, by static slices of the arrays (traced: free inside the step)."""
-        fields = {name: self.window[:, i] for i, name in enumerate(_WINDOW_FIELDS)}
-        fields["host_drafts"] = self.host_drafts
-        for name, start, width, dtype in _row_layout(_max_blocks(self.rows.shape[1])):
-            col = self.rows[:, start] if width is None else self.rows[:, start:start + width]
+
+        def as_field(col, dtype):
             if dtype == np.bool_:
-                col = col != 0
-            elif dtype != np.int32:
-                col = jax.lax.bitcast_convert_type(col, dtype)
-            fields[name] = col
-        return StepBatch(**fields)
+                return col != 0
+            return col if dtype == np.int32 else jax.lax.bitcast_convert_type(col, dtype)
 
-
-def _row_fields(max_blocks: int) -> list[tuple[str, int | None, np.dtype]]:
-    """(name, width or None for a [B] field, dtype) of each field PackedBatch.rows holds, in order."""
-    template = StepBatch.zeros(1, 1, 0, max_blocks)
-    return [(name, None if a.ndim == 1 else a.shape[1], a.dtype) for name, a in vars(template).items()
-            if name not in _WINDOW_FIELDS and name != "host_drafts"]
+        return _split(self, as_field)
 
 
 @functools.cache
 def _row_layout(max_blocks: int) -> tuple[tuple[str, int, int | None, np.dtype], ...]:
-    """(name, first column, width or None, dtype) of each field in PackedBatch.rows."""
+    """(name, first column, width or None for a [B] field, dtype) of each field in PackedBatch.rows, in order."""
     out, start = [], 0
-    for name, width, dtype in _row_fields(max_blocks):
-        out.append((name, start, width, dtype))
+    for name, a in vars(StepBatch.zeros(1, 1, 0, max_blocks)).items():
+        if name in _WINDOW_FIELDS or name == "host_drafts":
+            continue
+        width = None if a.ndim == 1 else a.shape[1]
+        out.append((name, start, width, a.dtype))
         start += 1 if width is None else width
     return tuple(out)
 
@@ -222,14 +215,21 @@ def _max_blocks(columns: int) -> int:
     return columns - fixed
 
 
-def _host_views(packed: PackedBatch) -> StepBatch:
-    """StepBatch fields as numpy views into ``packed``'s host arrays (writes to them fill the packed step)."""
+def _split(packed: PackedBatch, as_field) -> StepBatch:
+    """The StepBatch whose fields are ``packed``'s slices, each row-array column block passed through
+    ``as_field(block, the field's dtype)``."""
     fields = {name: packed.window[:, i] for i, name in enumerate(_WINDOW_FIELDS)}
     fields["host_drafts"] = packed.host_drafts
     for name, start, width, dtype in _row_layout(_max_blocks(packed.rows.shape[1])):
         col = packed.rows[:, start] if width is None else packed.rows[:, start:start + width]
-        fields[name] = col if dtype in (np.int32, np.bool_) else col.view(dtype)  # bool: 0 / 1 int32
+        fields[name] = as_field(col, dtype)
     return StepBatch(**fields)
+
+
+def _host_views(packed: PackedBatch) -> StepBatch:
+    """StepBatch fields as numpy views into ``packed``'s host arrays (writes to them fill the packed step)."""
+    # Bool fields stay 0 / 1 int32 views; float32 and uint32 fields are views of the same bytes.
+    return _split(packed, lambda col, dtype: col if dtype in (np.int32, np.bool_) else col.view(dtype))
 
 
 def host_buffers(batch: int, length: int, k: int, max_blocks: int) -> tuple[StepBatch, PackedBatch]:
