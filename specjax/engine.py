@@ -283,7 +283,7 @@ class Engine:
         self.spec_stats = SpecDecodeStats(kmax) if spec is not None else None
         self.latency = LatencyStats()
         self._held = 0  # decoding steps the controller's last plan still serves (Decision.hold) ...
-        self._held_slots = np.zeros(0, np.int64)  # ... for these rows' slots, in this order ...
+        self._held_slots = b""  # ... for these rows' slots (int64 [R] as bytes: cheaper to compare), in order ...
         self._held_plan: tuple[int, np.ndarray] = (0, np.zeros(0, np.int32))  # ... with this K and these caps
 
     # ------------------------------------------------------------------ buckets
@@ -360,7 +360,7 @@ class Engine:
     def _plan(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
         """(K, drafts per row, host drafts or None, detached) for a decoding step of ``rows``."""
         n = len(rows)
-        if self._held and len(self._held_slots) == n and np.array_equal(self._held_slots, slots):
+        if self._held and self._held_slots == slots.tobytes():
             return self._held_step(rows, slots)
         self._held = 0
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
@@ -374,16 +374,16 @@ class Engine:
         wanted = None
         if self.controller is not None:
             wanted = self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits,
-                                              can_draft)
+                                              can_draft, None if self.scheduler.waiting else self._remaining(rows))
             limits = wanted.caps.astype(np.int32)  # rows not worth drafting are not even looked up
         host_drafts = None
         if self.proposer.host_side and k:
-            host_drafts, limits = self._lookup(ids, slots, limits)
+            host_drafts, limits = self._lookup(ids, slots, limits, None if wanted is None else wanted.remaining)
         if self.controller is None:  # a static K: the step verifies K drafts whenever any row has one
             return (k if limits.any() else 0), limits, host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
-        self._held, self._held_slots, self._held_plan = plan.hold, slots, (plan.k, plan.caps)
+        self._held, self._held_slots, self._held_plan = plan.hold, slots.tobytes(), (plan.k, plan.caps)
         return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
 
     def _held_step(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
@@ -421,13 +421,38 @@ class Engine:
         limits *= can_draft
         return limits, can_draft
 
-    def _lookup(self, ids: list[str], slots: np.ndarray, limits: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        """A host proposer's drafts for each row (at most ``limits`` each) and how many it found (int32 [R])."""
-        if not limits.any():
-            return [np.zeros(0, np.int32)] * len(ids), np.zeros(len(ids), np.int32)
+    def _remaining(self, rows) -> np.ndarray:
+        """int64 [R]: tokens each row may still generate (max_tokens and max_model_len; an end-of-sequence token
+        may stop it sooner)."""
+        return np.array([min(r.request.params.max_tokens - len(r.request.output_token_ids),
+                             self.config.max_model_len - r.request.num_tokens) if r.samples else 0
+                         for r in rows], np.int64)
+
+    def _lookup(self, ids: list[str], slots: np.ndarray, limits: np.ndarray,
+                remaining: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+        """A host proposer's drafts for each row (at most ``limits`` each) and how many it found (int32 [R]).
+
+        With ``remaining`` (a draining batch, :attr:`RowCaps.remaining`) the rows with the most tokens left are
+        looked up first, one by one, and the others only if each of those found drafts: else no draft can
+        shorten the drain and the step is plain (the controller's rule), so more lookups would be host time for
+        nothing."""
+        drafts, found = [np.zeros(0, np.int32)] * len(ids), np.zeros(len(ids), np.int32)
+        groups = [np.flatnonzero(limits)]
+        if remaining is not None:
+            last = remaining == remaining.max()
+            groups = [] if not limits[last].all() else [*np.flatnonzero(last)[:, None],
+                                                        np.flatnonzero(~last & (limits > 0))]
         table = self.scheduler.slots
-        drafts = self.proposer.propose_host(ids, [table.history(s) for s in slots], limits.tolist())
-        return drafts, np.asarray([len(d) for d in drafts], np.int32)
+        for rows in groups:
+            if not rows.size:
+                continue
+            got = self.proposer.propose_host([ids[i] for i in rows], [table.history(slots[i]) for i in rows],
+                                             limits[rows].tolist())
+            for i, d in zip(rows.tolist(), got):
+                drafts[i], found[i] = d, len(d)
+            if remaining is not None and not found[rows].all():
+                break
+        return drafts, found
 
     def draft_ahead(self, k: int, decoding: bool) -> int:
         """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all
@@ -492,7 +517,7 @@ class Engine:
         finished = self._commit(rows, packed, num_drafts, k, ahead)
         elapsed = time.perf_counter() - start_time
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
-            sampled = bool(np.any(batch.temperature[:n] > 0))
+            sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
             self.controller.costs.observe((bucket[0], k, detached, sampled), elapsed)
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed

@@ -239,8 +239,9 @@ def test_where_only_lookup_misses_keep_steps_plain_a_plan_is_held_once_lookups_s
     _teach(c, "a", 0.9)
     plan = lambda: c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True]))  # noqa: E731
     holds = [c.decide(1, plan(), found=np.asarray([0])).hold for _ in range(40)]
-    # Hit rate 15/16 per miss: at or above 0.1 for the first 35 misses (the next lookup may hit), then held.
-    assert holds[:35] == [0] * 35 and holds[35:] == [3] * 5
+    # Hit rate 15/16 per miss: at or above 0.1 for the first 35 misses (the next lookup may hit), then held,
+    # twice as long for each held plan in a row, up to 4x.
+    assert holds[:35] == [0] * 35 and holds[35:] == [3, 7, 15, 15, 15]
     assert c.decide(1, plan(), found=np.asarray([K])).k > 0  # drafts found: they pay
     assert c.decide(1, plan(), found=np.asarray([0])).hold == 0  # a hit: lookups run every step again
 
@@ -544,3 +545,71 @@ def test_a_request_that_finishes_during_a_held_plan_leaves_no_state_behind():
     c.finish("a")  # "a" finished during the hold: the next plan has "b" alone
     _decide(c, 2, ["b"], [False], [K], [True])
     assert "a" not in c._idle_steps and "a" not in c._request_stats
+
+
+def test_a_draining_batch_drafts_only_where_drafts_shorten_its_longest_row():
+    # Two rows with good drafts: a drafting step costs 2x a plain one, 3.4 expected accepted tokens per row.
+    costs = {(2, k, False): 1.0 + 0.25 * k for k in range(K + 1)}
+    c = _controller(costs, probe_every=0)
+    _teach(c, "fast", 0.9)
+    _teach(c, "slow", 0.9)
+
+    def plan(remaining, found):
+        wanted = c.row_caps(["fast", "slow"], [False, False], np.asarray([K, K]), np.asarray([True, True]),
+                            remaining=None if remaining is None else np.asarray(remaining))
+        return c.decide(2, wanted, found=np.asarray(found))
+
+    # Only "fast" found drafts: worth it for tokens per second (requests wait), ...
+    assert plan(None, [K, 0]).k > 0
+    # ... not while draining if "slow" has at least as many tokens left: the drain ends with it either way.
+    assert plan([30, 30], [K, 0]).k == 0
+    assert plan([20, 30], [K, 0]).k == 0
+    # The row with the most left has drafts and the other is far enough behind: they shorten the drain.
+    assert plan([30, 20], [K, 0]).k == K
+    # One token ahead: drafts take at most one token off the drain (30 left -> 29, where "slow" is), so one
+    # draft (1.25x a plain step for 0.9 tokens more) and no more (K = 4: 2x for the same).
+    assert plan([30, 29], [K, 0]).k == 1
+    assert plan([30, 30], [K, K]).k > 0  # both found drafts: both advance
+
+
+def test_a_draining_lookup_stops_at_a_longest_row_without_drafts():
+    from types import SimpleNamespace
+
+    from specjax.engine import Engine
+
+    asked = []
+
+    def propose_host(ids, histories, limits):
+        asked.extend(ids)
+        return [np.arange(min(lim, 2), dtype=np.int32) if i != "miss" else np.zeros(0, np.int32)
+                for i, lim in zip(ids, limits)]
+
+    fake = SimpleNamespace(scheduler=SimpleNamespace(slots=SimpleNamespace(history=lambda s: np.arange(5))),
+                           proposer=SimpleNamespace(propose_host=propose_host))
+    ids, slots, limits = ["a", "miss", "c"], np.arange(3), np.asarray([K, K, K], np.int32)
+    drafts, found = Engine._lookup(fake, ids, slots, limits)
+    assert asked == ids and found.tolist() == [2, 0, 2]
+    # Draining: "a" and "miss" have the most left; "miss" finds nothing, so "c" is not looked up.
+    asked.clear()
+    drafts, found = Engine._lookup(fake, ids, slots, limits, np.asarray([9, 9, 5]))
+    assert asked == ["a", "miss"] and found.tolist() == [2, 0, 0] and len(drafts[2]) == 0
+    asked.clear()
+    drafts, found = Engine._lookup(fake, ids, slots, limits, np.asarray([9, 5, 9]))  # the longest rows hit
+    assert asked == ["a", "c", "miss"] and found.tolist() == [2, 0, 2]
+    asked.clear()
+    drafts, found = Engine._lookup(fake, ids, slots, np.asarray([0, K, K], np.int32), np.asarray([9, 5, 5]))
+    assert asked == [] and not found.any()  # the longest row may not draft: no lookup at all
+
+
+def test_a_draining_batch_counts_its_drafting_rows_at_their_mean_acceptance():
+    costs = {(2, k, False): 1.0 + 0.25 * k for k in range(K + 1)}
+    c = _controller(costs, probe_every=0)
+    _teach(c, "good", 0.9)
+    _teach(c, "poor", 0.5)
+    wanted = c.row_caps(["good", "poor"], [False, False], np.asarray([K, K]), np.asarray([True, True]),
+                        remaining=np.asarray([30, 30]))
+    # At the rows' mean (2.2 tokens at K = 4) long drafts pay: which of two drafting rows ends last is chance.
+    assert c.decide(2, wanted).k >= 3
+    # By "poor"'s own estimate, as when it drains alone, only one draft pays ((1 + 0.5) / 1.25).
+    alone = c.row_caps(["poor"], [False], np.asarray([K]), np.asarray([True]), remaining=np.asarray([30]))
+    assert c.decide(2, alone).k == 1
