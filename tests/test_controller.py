@@ -525,14 +525,17 @@ def test_a_drafting_plan_is_held_for_draft_replan_every_steps_and_its_undrafted_
     assert _decide(every, 2, ["a"], [False], [K], [True]).hold == 0
 
 
-def test_a_plan_drafting_what_a_host_lookup_found_is_not_held():
-    costs = {(1, k, False): 1.0 + 0.1 * k for k in range(K + 1)}
+def test_a_plan_drafting_what_a_host_lookup_found_is_held_for_one_row_only():
+    costs = {(r, k, False): 1.0 + 0.1 * k for k in range(K + 1) for r in (1, 2)}
     c = _controller(costs, probe_every=0, draft_replan_every=4)
     _teach(c, "a", 0.9)
-    plan = c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True]))
-    d = c.decide(1, plan, found=np.asarray([K]))
-    assert d.k > 0 and d.hold == 0
-    assert _decide(c, 1, ["a"], [False], [K], [True]).hold == 3  # the same drafts from a device proposer
+    _teach(c, "b", 0.9)
+    plan = c.row_caps(["a", "b"], [False, False], np.asarray([K, K]), np.asarray([True, True]))
+    d = c.decide(2, plan, found=np.asarray([K, K]))
+    assert d.k > 0 and d.hold == 0  # which rows' lookups hit changes every step
+    assert _decide(c, 2, ["a", "b"], [False, False], [K, K], [True, True]).hold == 3  # from a device proposer
+    one = c.decide(1, c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True])), found=np.asarray([K]))
+    assert one.k > 0 and one.hold == 3  # one row: a held step verifies what its lookup finds, or runs plain
 
 
 def test_a_request_that_finishes_during_a_held_plan_leaves_no_state_behind():

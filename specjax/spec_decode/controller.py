@@ -96,8 +96,9 @@ class ControllerConfig:
     draft_replan_every: int = 4
     """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), each
     row drafting up to its cap, unless it probes, explores a neighbouring K, learns the method's acceptance,
-    detaching is being voted on, or the drafts come from a host lookup (what a lookup finds changes every step,
-    and so does whether verifying it pays: ngram at batch 8 held such plans at 0.89x plain):
+    detaching is being voted on, or the drafts of several rows come from a host lookup (what a lookup finds
+    changes every step, and so does whether verifying it pays: ngram at batch 8 held such plans at 0.89x plain;
+    one row's held step verifies what its lookup finds, up to the cap, or runs plain, as a new plan would):
     planning costs 0.3-0.4 ms of host work (cold caches after a step: numpy calls cost several times their
     microbenchmark), 5-13% of a drafting step on the shipped target, and a row's estimate moves little in a
     few steps."""
@@ -451,7 +452,11 @@ class SpeculationController:
             hold = max(0, min(limit, plan.until_probe - 1))
         if not hold or k:
             self._held_plans, self._held_ids = 0, None
-        if k and found is None and k == draft_k and not learn_k and not probes and not self._detach_votes:
+        # A host lookup's drafts: held for one row only, where a held step verifies what the lookup finds up to
+        # the cap or runs plain, as a new plan would; with more rows, which of them found drafts decides whether
+        # verifying pays (ngram at batch 8 held such plans at 0.89x plain).
+        if (k and (found is None or n == 1) and k == draft_k and not learn_k and not probes
+                and not self._detach_votes):
             hold = max(0, min(cfg.draft_replan_every - 1, plan.until_probe - 1))
         self._held_idle = [rid for rid, c in zip(plan.request_ids, caps) if not c] if hold else []
         return Decision(k=k, caps=caps, detached=detached, hold=hold)
