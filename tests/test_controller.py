@@ -148,7 +148,7 @@ def test_while_learning_k_is_chosen_at_the_optimistic_acceptance_so_deeper_posit
     costs = {(1, k, False): 1.0 + 0.3 * k for k in range(K + 1)}
     c = _controller(costs)
     at_prior = c._rates(1, 1, c._gains(c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True])).reach,
-                                       np.asarray([K]))[1], False)[0]
+                                       np.asarray([K])), False)[0]
     assert at_prior == 1
     assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == K  # nothing verified: bound 1
     _teach(c, "a", 1.0, n=40)  # learned (40 > learn_drafts): every draft was accepted, K = 4 pays on its own

@@ -296,6 +296,7 @@ class SpeculationController:
 
     def __init__(self, k_max: int, config: ControllerConfig, *, can_detach: bool):
         self.k_max = k_max
+        self._positions = np.arange(1, k_max + 1)  # [K_max]: draft positions 1..K_max
         self.config = config
         self.can_detach = can_detach
         self.costs = CostModel(config.cost_window, config.cost_max_age)
@@ -365,7 +366,7 @@ class SpeculationController:
                 if rid in self._idle_steps:  # (a request that finished during the hold is gone)
                     self._idle_steps[rid] += self._held_steps
             self._held_steps = 0
-        priors = (self._prior(False), self._prior(True))
+        priors = {smp: self._prior(smp) for smp in {bool(x) for x in sampled}}
         stats = [self._request_stats.get(rid) for rid in request_ids]
         none = np.zeros(self.k_max)
         accepted = np.array([none if st is None else st.accepted for st in stats])  # [R, K_max]
@@ -399,7 +400,7 @@ class SpeculationController:
         """
         cfg = self.config
         cap_row = plan.caps if found is None else np.minimum(plan.caps, np.asarray(found, np.int64))
-        caps_at, gains = self._gains(plan.reach, cap_row, plan.remaining)
+        gains = self._gains(plan.reach, cap_row, plan.remaining)
         n = len(plan.request_ids)
         # Rows' tokens per step; draining, the last row's (its bonus token and what the drafts take off the drain).
         draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, n if plan.remaining is None else 1,
@@ -420,11 +421,11 @@ class SpeculationController:
             # head's attached K=0 step drafts ahead and costs what K=1 costs; running it while detaching is
             # still being voted on would be slower than both drafting and the target alone.)
             drafting = draft_k > 0 and draft_rate >= cfg.min_speedup * attached_rate
-        k = self._explore(rows, draft_k, caps_at, plan.sampled) if drafting else 0
+        k = self._explore(rows, draft_k, cap_row, plan.sampled) if drafting else 0
         probes = (plan.probing & (cap_row > 0)).any()
         if k == 0 and not detached and probes:
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
-        caps = caps_at[:, k].astype(np.int32) if k else np.zeros(n, np.int32)
+        caps = np.minimum(cap_row, k).astype(np.int32)
         for rid, c, probe in zip(plan.request_ids, caps, plan.probing):
             if c:
                 self._idle_steps[rid] = 0
@@ -464,7 +465,7 @@ class SpeculationController:
     def _could_draft(self, rows: int, plan: RowCaps) -> bool:
         """Would the step draft if a host lookup found every draft the rows' estimates ask for? (By the weakest
         of the rules in :meth:`decide`: learning, or beating the attached plain step by the margin.)"""
-        _, gains = self._gains(plan.reach, plan.caps, plan.remaining)
+        gains = self._gains(plan.reach, plan.caps, plan.remaining)
         n = len(plan.request_ids)
         draft_k, draft_rate, attached_rate, _ = self._rates(rows, n if plan.remaining is None else 1, gains,
                                                             plan.sampled)
@@ -477,7 +478,7 @@ class SpeculationController:
         self._held_steps += 1
         self.count_step(k, False)
 
-    def _explore(self, rows: int, k: int, caps_at: np.ndarray, sampled: bool) -> int:
+    def _explore(self, rows: int, k: int, cap_row: np.ndarray, sampled: bool) -> int:
         """``k``, or a neighbouring drafting K whose cost was not measured in a real step for ``cost_max_age``
         steps of the bucket (once per that many steps each): warmup's all-padding steps time each kind only
         roughly, and without real measurements of its neighbours the chosen K could never be found wrong. A
@@ -485,16 +486,16 @@ class SpeculationController:
         max_age = self.config.cost_max_age
         if max_age:
             for kk in (k + 1, k - 1):
-                if (1 <= kk <= self.k_max and (caps_at[:, kk] != caps_at[:, k]).any()
-                        and self.costs.age((rows, kk, False, sampled)) >= max_age):
+                if (1 <= kk <= self.k_max and self.costs.age((rows, kk, False, sampled)) >= max_age
+                        and (cap_row > min(k, kk)).any()):  # some row's cap differs at kk
                     return kk
         return k
 
     def _gains(self, reach: np.ndarray, cap_row: np.ndarray,
-               remaining: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(caps [R, K_max + 1]: each row's cap at each K, gains [K_max + 1]: NaN where no row drafts at that K,
+               remaining: np.ndarray | None = None) -> np.ndarray:
+        """Gains [K_max + 1] of a step of K drafts (each row drafting up to ``cap_row``): NaN where no row drafts,
         else the expected accepted drafts summed over rows, or with ``remaining`` (a draining batch) how many
-        tokens they take off the drain beyond a plain step's one).
+        tokens they take off the drain beyond a plain step's one.
 
         Draining, the batch ends with the row that has the most tokens left, so drafts shorten it only where
         they advance every such row: ``max(remaining) - max(remaining - accepted)``. Rows that finish early free
@@ -504,20 +505,21 @@ class SpeculationController:
         several similar rows is last is chance, and so the last row's own estimate is biased low (with it,
         draft_model at batch 8 ran 0.94-0.96x plain, against 0.975x counting tokens).
         """
-        exp = np.zeros((reach.shape[0], self.k_max + 1))  # [R, K_max + 1]
-        np.cumsum(reach, axis=1, out=exp[:, 1:])
-        caps_at = np.minimum(np.arange(self.k_max + 1), cap_row[:, None])  # [R, K_max + 1]
-        per_row = exp[np.arange(len(exp))[:, None], caps_at]  # [R, K_max + 1]
+        # per_row[r, k]: row r's expected accepted drafts at K = k, sum_{j < min(k, cap_r)} reach[r, j].
+        per_row = np.zeros((reach.shape[0], self.k_max + 1))  # [R, K_max + 1]
+        np.cumsum(reach * (self._positions <= cap_row[:, None]), axis=1, out=per_row[:, 1:])
         if remaining is None:
             gains = per_row.sum(axis=0)  # [K_max + 1]
         else:
             drafting = cap_row > 0  # [R]
-            pooled = per_row[drafting].mean(axis=0) if drafting.any() else per_row[0] * 0  # [K_max + 1]
-            left = remaining.astype(np.float64)[:, None]  # [R, 1]
-            gains = left.max() - (left - np.where(drafting[:, None], pooled, 0.0)).max(axis=0)  # [K_max + 1]
+            pooled = drafting @ per_row / max(1, int(drafting.sum()))  # [K_max + 1]
+            left = [(int(r), bool(d)) for r, d in zip(remaining.tolist(), drafting.tolist())]
+            last_drafting = max((r for r, d in left if d), default=-math.inf)
+            last_other = max((r for r, d in left if not d), default=-math.inf)
+            gains = max(last_drafting, last_other) - np.maximum(last_drafting - pooled, last_other)  # [K_max + 1]
         if not cap_row.any():  # a row drafts at some K >= 1 exactly when its cap is > 0
             gains[1:] = np.nan
-        return caps_at, gains
+        return gains
 
     def _best_drafting(self, rows: int, n: float, gains: np.ndarray, sampled: bool) -> tuple[int, float]:
         """The K >= 1 with the most expected tokens per second for ``n`` rows and that rate; (0, 0) when no
@@ -560,7 +562,7 @@ class SpeculationController:
         if not self.can_detach or not n or self._learning_k(rows, num_rows, plan.caps, plan.sampled,
                                                             scale=num_rows / n):
             return False
-        _, gains = self._gains(plan.reach, plan.caps)
+        gains = self._gains(plan.reach, plan.caps)
         _, draft_rate, attached_rate, detached_rate = self._rates(rows, num_rows, gains * (num_rows / n),
                                                                   plan.sampled)
         return self._detach_wins(draft_rate, attached_rate, detached_rate)
@@ -586,7 +588,7 @@ class SpeculationController:
         if not self.learning(sampled):
             return 0
         reach = np.broadcast_to(self.optimistic_reach(sampled), (len(caps), self.k_max))
-        _, gains = self._gains(reach, np.asarray(caps, np.int64))
+        gains = self._gains(reach, np.asarray(caps, np.int64))
         k, rate = self._best_drafting(rows, n, gains * scale, sampled)
         return k if rate > max(self._plain_rates(rows, n, sampled)) else 0
 
