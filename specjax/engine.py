@@ -383,7 +383,8 @@ class Engine:
             return (k if limits.any() else 0), limits, host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
-        self._held, self._held_slots, self._held_plan = plan.hold, slots.tobytes(), (plan.k, plan.caps)
+        self._held, self._held_slots = plan.hold, slots.tobytes()
+        self._held_plan = plan.held or (plan.k, plan.caps)
         return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
 
     def _held_step(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:

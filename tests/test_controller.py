@@ -235,15 +235,27 @@ def test_holds_double_for_the_same_rows_up_to_8x_and_start_over_when_rows_change
 
 
 def test_where_only_lookup_misses_keep_steps_plain_a_plan_is_held_once_lookups_seldom_hit():
-    c = _controller(FLAT, replan_every=4, min_lookup_hits=0.1)
+    c = _controller({(2, k, False): 1.0 + 0.1 * k for k in range(K + 1)}, replan_every=4, min_lookup_hits=0.1)
     _teach(c, "a", 0.9)
-    plan = lambda: c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True]))  # noqa: E731
-    holds = [c.decide(1, plan(), found=np.asarray([0])).hold for _ in range(40)]
+    _teach(c, "b", 0.9)
+    plan = lambda: c.row_caps(["a", "b"], [False] * 2, np.asarray([K, K]), np.asarray([True] * 2))  # noqa: E731
+    holds = [c.decide(2, plan(), found=np.asarray([0, 0])).hold for _ in range(40)]
     # Hit rate 15/16 per miss: at or above 0.1 for the first 35 misses (the next lookup may hit), then held,
     # twice as long for each held plan in a row, up to 4x.
     assert holds[:35] == [0] * 35 and holds[35:] == [3, 7, 15, 15, 15]
-    assert c.decide(1, plan(), found=np.asarray([K])).k > 0  # drafts found: they pay
-    assert c.decide(1, plan(), found=np.asarray([0])).hold == 0  # a hit: lookups run every step again
+    assert c.decide(2, plan(), found=np.asarray([K, K])).k > 0  # drafts found: they pay
+    assert c.decide(2, plan(), found=np.asarray([0, 0])).hold == 0  # a hit: lookups run every step again
+
+
+def test_one_row_whose_lookup_found_nothing_holds_the_plan_a_hit_would_have_made():
+    c = _controller(FLAT, probe_every=0, draft_replan_every=4)
+    _teach(c, "a", 0.9)
+    wanted = c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True]))
+    hit = c.decide(1, wanted, found=np.asarray([K]))
+    miss = c.decide(1, c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True])), found=np.asarray([0]))
+    assert miss.k == 0 and miss.caps.tolist() == [0]  # this step: nothing to verify
+    assert miss.hold == 3 and miss.held[0] == hit.k and miss.held[1].tolist() == hit.caps.tolist()
+    assert hit.held is None  # a plan that drafts holds itself
 
 
 def test_no_plan_is_held_while_detaching_is_voted_on():

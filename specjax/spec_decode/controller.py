@@ -289,6 +289,9 @@ class Decision:
     hold: int = 0
     """The next this-many decoding steps of the same rows may run this decision without planning
     (:meth:`SpeculationController.held_step`): ``replan_every`` without drafts, ``draft_replan_every`` with."""
+    held: tuple[int, np.ndarray] | None = None
+    """(K, int32 caps [R]) the held steps run, where not this step's: one row whose host lookup found nothing
+    holds the plan a hit would have made (each held step verifies what its lookup finds)."""
 
 
 class SpeculationController:
@@ -434,7 +437,7 @@ class SpeculationController:
             else:
                 self._idle_steps[rid] = self._idle_steps.get(rid, 0) + 1
         self.count_step(k, detached)
-        hold = 0
+        hold, held = 0, None
         if found is not None and k:  # the lookup found drafts worth verifying: a hit
             self.lookup_hit_rate += (1.0 - self.lookup_hit_rate) / 16
         same_rows = plan.request_ids == self._held_ids
@@ -442,16 +445,22 @@ class SpeculationController:
         if k == 0 and not detached and not self._detach_votes:
             # Each plan in a row that keeps the same rows plain holds twice as long, up to 8x.
             limit = cfg.replan_every * (1 << min(self._held_plans, 3)) - 1
-            if found is not None and self._could_draft(rows, plan):
+            k_found = self._could_draft(rows, plan) if found is not None else 0
+            if k_found:
                 # Only the lookup's misses kept this step plain, and the next lookup may hit: skip lookups only
                 # for a method whose lookups seldom find drafts (their host time would not pay).
                 self.lookup_hit_rate += (float(cap_row.any()) - self.lookup_hit_rate) / 16
                 # (Doubling up to 4x only: a lookup that hits after the text turns repetitive drafts.)
                 limit = cfg.replan_every * (1 << min(self._held_plans, 2)) - 1 \
                     if self.lookup_hit_rate < cfg.min_lookup_hits else 0
+                if not limit and n == 1:
+                    # One row: hold the plan a hit would have made; its held steps verify what the next lookups
+                    # find, up to the caps, or run plain, as new plans would (below).
+                    held, limit = (k_found, np.minimum(plan.caps, k_found).astype(np.int32)), \
+                        cfg.draft_replan_every - 1
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
             hold = max(0, min(limit, plan.until_probe - 1))
-        if not hold or k:
+        if not hold or k or held:
             self._held_plans, self._held_ids = 0, None
         # A host lookup's drafts: held for one row only, where a held step verifies what the lookup finds up to
         # the cap or runs plain, as a new plan would; with more rows, which of them found drafts decides whether
@@ -459,18 +468,22 @@ class SpeculationController:
         if (k and (found is None or n == 1) and k == draft_k and not learn_k and not probes
                 and not self._detach_votes):
             hold = max(0, min(cfg.draft_replan_every - 1, plan.until_probe - 1))
-        self._held_idle = [rid for rid, c in zip(plan.request_ids, caps) if not c] if hold else []
-        return Decision(k=k, caps=caps, detached=detached, hold=hold)
+        held_caps = caps if held is None else held[1]
+        self._held_idle = [rid for rid, c in zip(plan.request_ids, held_caps) if not c] if hold else []
+        return Decision(k=k, caps=caps, detached=detached, hold=hold, held=held)
 
-    def _could_draft(self, rows: int, plan: RowCaps) -> bool:
-        """Would the step draft if a host lookup found every draft the rows' estimates ask for? (By the weakest
-        of the rules in :meth:`decide`: learning, or beating the attached plain step by the margin.)"""
+    def _could_draft(self, rows: int, plan: RowCaps) -> int:
+        """The K a step would draft at if a host lookup found every draft the rows' estimates ask for, else 0.
+        (By the weakest of the rules in :meth:`decide`: learning, or beating the attached plain step by the
+        margin.)"""
         gains = self._gains(plan.reach, plan.caps, plan.remaining)
         n = len(plan.request_ids)
         draft_k, draft_rate, attached_rate, _ = self._rates(rows, n if plan.remaining is None else 1, gains,
                                                             plan.sampled)
-        return draft_k > 0 and (draft_rate >= self.config.min_speedup * attached_rate
-                                or self._learning_k(rows, n, plan.caps, plan.sampled) > 0)
+        if not draft_k:
+            return 0
+        learn_k = self._learning_k(rows, n, plan.caps, plan.sampled)
+        return learn_k or (draft_k if draft_rate >= self.config.min_speedup * attached_rate else 0)
 
     def held_step(self, k: int = 0) -> None:
         """A decoding step of K = ``k`` ran a held decision (:attr:`Decision.hold`) for the same rows, without
