@@ -283,7 +283,8 @@ class Engine:
         self.spec_stats = SpecDecodeStats(kmax) if spec is not None else None
         self.latency = LatencyStats()
         self._held = 0  # decoding steps the controller's last plan still serves (Decision.hold) ...
-        self._held_slots = b""  # ... for these rows' slots (int64 [R] as bytes: cheaper to compare), in order ...
+        self._held_key = (b"", False)  # ... for these rows' slots (int64 [R] as bytes: cheaper to compare), in
+        # order, and whether requests waited (a plan made while the batch drained must not outlive it) ...
         self._held_plan: tuple[int, np.ndarray] = (0, np.zeros(0, np.int32))  # ... with this K and these caps
 
     # ------------------------------------------------------------------ buckets
@@ -360,7 +361,7 @@ class Engine:
     def _plan(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
         """(K, drafts per row, host drafts or None, detached) for a decoding step of ``rows``."""
         n = len(rows)
-        if self._held and self._held_slots == slots.tobytes():
+        if self._held and self._held_key == (slots.tobytes(), bool(self.scheduler.waiting)):
             return self._held_step(rows, slots)
         self._held = 0
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
@@ -383,7 +384,7 @@ class Engine:
             return (k if limits.any() else 0), limits, host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
-        self._held, self._held_slots = plan.hold, slots.tobytes()
+        self._held, self._held_key = plan.hold, (slots.tobytes(), bool(self.scheduler.waiting))
         self._held_plan = plan.held or (plan.k, plan.caps)
         return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
 
@@ -426,8 +427,7 @@ class Engine:
         """int64 [R]: tokens each row may still generate (max_tokens and max_model_len; an end-of-sequence token
         may stop it sooner)."""
         return np.array([min(r.request.params.max_tokens - len(r.request.output_token_ids),
-                             self.config.max_model_len - r.request.num_tokens) if r.samples else 0
-                         for r in rows], np.int64)
+                             self.config.max_model_len - r.request.num_tokens) for r in rows], np.int64)
 
     def _lookup(self, ids: list[str], slots: np.ndarray, limits: np.ndarray,
                 remaining: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:

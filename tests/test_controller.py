@@ -255,7 +255,11 @@ def test_one_row_whose_lookup_found_nothing_holds_the_plan_a_hit_would_have_made
     miss = c.decide(1, c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True])), found=np.asarray([0]))
     assert miss.k == 0 and miss.caps.tolist() == [0]  # this step: nothing to verify
     assert miss.hold == 3 and miss.held[0] == hit.k and miss.held[1].tolist() == hit.caps.tolist()
-    assert hit.held is None  # a plan that drafts holds itself
+    assert hit.hold == 3 and hit.held[0] == hit.k
+    # A short hit verifies its one draft now; the held steps may verify as many as a full hit's.
+    short = c.decide(1, c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True])), found=np.asarray([1]))
+    assert short.k == 1 and short.caps.tolist() == [1]
+    assert short.hold == 3 and short.held[0] == hit.k and short.held[1].tolist() == hit.caps.tolist()
 
 
 def test_no_plan_is_held_while_detaching_is_voted_on():
@@ -487,6 +491,31 @@ def test_engine_plans_a_step_kept_plain_once_per_replan_every_steps(target_dir):
     decoding_steps = int(sum(hist))
     assert hist[0] == decoding_steps >= 29  # no drafts (no probe is due within 32 steps)
     assert len(plans) <= -(-decoding_steps // c.config.replan_every) + 1  # + 1: the rows changed at most once
+
+
+def test_engine_with_a_host_lookup_that_drafts_matches_plain_decoding(target_dir):
+    """ngram with drafting as cheap as a plain step: one row alone (its plans held, lookups every held step)
+    and a draining batch of rows with different max_tokens (lookups of the longest rows first); output as
+    plain decoding's, and drafts were verified."""
+    plain = specjax.LLM(target_dir, warmup=False, **KW)
+    llm = specjax.LLM(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                      "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+                      warmup=False, **KW)
+    c = llm.engine.controller
+    for rows in (1, 2, 4):
+        for sampled in (False, True):
+            for k in range(c.k_max + 1):
+                c.costs.set((rows, k, False, sampled), 1.0 + 0.01 * k)
+    c.costs.frozen = True
+    _learned(c)
+    rng = np.random.default_rng(3)
+    motif = rng.integers(4, 32, size=5).tolist()
+    prompts = [{"prompt_token_ids": (motif * 4)[: n]} for n in (12, 17, 9)]  # repetitive: lookups hit
+    for batch, max_tokens in ((prompts[:1], [24]), (prompts, [6, 24, 15])):
+        params = [specjax.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == \
+            [o.outputs[0].token_ids for o in plain.generate(batch, params)]
+    assert sum(llm.get_metrics()["k_histogram"][1:]) > 0
 
 
 def test_prefill_runs_detached_when_drafting_cannot_pay_and_the_proposer_is_never_touched(target_dir, draft_dir):

@@ -438,6 +438,9 @@ class SpeculationController:
                 self._idle_steps[rid] = self._idle_steps.get(rid, 0) + 1
         self.count_step(k, detached)
         hold, held = 0, None
+        # One row's host lookup: a held plan is what a hit would make; its held steps verify what each lookup
+        # finds, up to the caps, or run plain, as new plans would (not while probing or learning).
+        one_lookup = found is not None and n == 1 and not plan.probing.any() and not self.learning(plan.sampled)
         if found is not None and k:  # the lookup found drafts worth verifying: a hit
             self.lookup_hit_rate += (1.0 - self.lookup_hit_rate) / 16
         same_rows = plan.request_ids == self._held_ids
@@ -453,21 +456,21 @@ class SpeculationController:
                 # (Doubling up to 4x only: a lookup that hits after the text turns repetitive drafts.)
                 limit = cfg.replan_every * (1 << min(self._held_plans, 2)) - 1 \
                     if self.lookup_hit_rate < cfg.min_lookup_hits else 0
-                if not limit and n == 1:
-                    # One row: hold the plan a hit would have made; its held steps verify what the next lookups
-                    # find, up to the caps, or run plain, as new plans would (below).
+                if not limit and one_lookup:
                     held, limit = (k_found, np.minimum(plan.caps, k_found).astype(np.int32)), \
                         cfg.draft_replan_every - 1
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
             hold = max(0, min(limit, plan.until_probe - 1))
         if not hold or k or held:
             self._held_plans, self._held_ids = 0, None
-        # A host lookup's drafts: held for one row only, where a held step verifies what the lookup finds up to
-        # the cap or runs plain, as a new plan would; with more rows, which of them found drafts decides whether
-        # verifying pays (ngram at batch 8 held such plans at 0.89x plain).
-        if (k and (found is None or n == 1) and k == draft_k and not learn_k and not probes
+        # A host lookup's drafts are held for one row only: with more rows, which of them found drafts decides
+        # whether verifying pays (ngram at batch 8 held such plans at 0.89x plain).
+        if (k and (found is None or one_lookup) and k == draft_k and not learn_k and not probes
                 and not self._detach_votes):
             hold = max(0, min(cfg.draft_replan_every - 1, plan.until_probe - 1))
+            if found is not None:  # caps as if the lookup had found every draft asked for (not only this one's)
+                k_found = self._could_draft(rows, plan) or k
+                held = (k_found, np.minimum(plan.caps, k_found).astype(np.int32))
         held_caps = caps if held is None else held[1]
         self._held_idle = [rid for rid, c in zip(plan.request_ids, held_caps) if not c] if hold else []
         return Decision(k=k, caps=caps, detached=detached, hold=hold, held=held)
