@@ -45,12 +45,12 @@ a request whose drafts keep failing costs ever fewer probe steps.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-import statistics
 
 import numpy as np
+
+from specjax.spec_decode.costs import CostModel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,127 +133,6 @@ class AcceptanceStats:
         reached = min(num_accepted + 1, num_drafts)
         self.tried[:reached] += 1
         self.accepted[:num_accepted] += 1
-
-
-def _more_work(a: tuple[int, bool], b: tuple[int, bool]) -> bool:
-    """Step kind ``b`` = (K, detached) does strictly more work than ``a``: detached plain < attached K=0 < K=1..."""
-    return (b[1], -b[0]) < (a[1], -a[0])
-
-
-class CostModel:
-    """Wall time per step kind ``(rows bucket, K, detached, sampled)``, capped by the cost of any kind of the same
-    bucket that does more work. ``sampled``: some row samples (the sampler's random path, dearer than argmax,
-    runs only then).
-
-    A kind measured in real steps costs the median of its recent ones. Warmup measures every kind on
-    all-padding rows, which do not cost what real rows cost (they all read one KV block; measured 1.6x faster
-    at 32 rows, slower at 1); a kind not yet seen in real steps costs its warmup time scaled by the real /
-    warmup ratio of the kinds of its bucket that were (else a kind the controller keeps choosing would be
-    compared in real time against the others in warmup time)."""
-
-    def __init__(self, window: int, max_age: int = 0):
-        self.window = window
-        self.max_age = max_age
-        self.frozen = False
-        """Ignore new measurements (tests pin a table with :meth:`set`)."""
-        self._seconds: dict[tuple, float] = {}  # each kind's cost before the cap (see the class docstring)
-        self._dirty: dict[tuple, set] = {}  # (rows, sampled) -> its kinds measured since the last refresh
-        self._real: dict[tuple, collections.deque] = {}
-        self._warm: dict[tuple, collections.deque] = {}
-        self._median: dict[tuple, float] = {}  # (kind, warmup) -> median of its deque
-        self._kinds: dict[tuple, set] = {}  # (rows, sampled) -> the kinds measured in that bucket
-        self._capped: dict[tuple, float] = {}  # seconds capped by the kinds that do more work (the envelope)
-        self._clock: dict[tuple, int] = {}  # (rows, sampled) -> real steps measured in that bucket
-        self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement
-
-    def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
-        """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup.
-
-        Runs every step, so it only records: medians and the envelope are recomputed when a cost is next read
-        (plans are made far less often than steps run)."""
-        if self.frozen:
-            return
-        bucket = (key[0], key[3])
-        store = self._warm if warmup else self._real
-        times = store.get(key)
-        if not warmup and times is not None and key in self._warm and self.age(key) >= self.max_age > 0:
-            times = None  # stale (as the next refresh would find it): the new measurement starts over
-        if times is None:
-            times = store[key] = collections.deque(maxlen=self.window)
-        times.append(seconds)
-        self._dirty.setdefault(bucket, set()).add((key, warmup))
-        self._kinds.setdefault(bucket, set()).add(key)
-        if not warmup:
-            self._clock[bucket] = self._stamp[key] = self._clock.get(bucket, 0) + 1
-
-    def set(self, key: tuple, seconds: float) -> None:
-        """Replace a kind's measurements by one real value."""
-        bucket = (key[0], key[3])
-        self._real[key] = collections.deque([seconds], maxlen=self.window)
-        self._dirty.setdefault(bucket, set()).add((key, False))
-        self._kinds.setdefault(bucket, set()).add(key)
-        self._stamp[key] = self._clock.get(bucket, 0)
-
-    @property
-    def seconds(self) -> dict[tuple, float]:
-        """Each kind's cost before the cap (see the class docstring)."""
-        self._flush()
-        return self._seconds
-
-    def _flush(self) -> None:
-        """Bring the medians and costs of every bucket measured since the last read up to date."""
-        while self._dirty:
-            bucket, changed = self._dirty.popitem()
-            for key, warmup in changed:
-                self._median[key, warmup] = statistics.median((self._warm if warmup else self._real)[key])
-            self._refresh(bucket)
-
-    def _refresh(self, bucket: tuple) -> None:
-        """Recompute the costs of ``bucket`` = (rows, sampled), then their cap: a suffix minimum in work order
-        (detached K=0, then attached K=0, 1, ...)."""
-        kinds = self._kinds[bucket]
-        if self.max_age and not self.frozen:
-            clock = self._clock.get(bucket, 0)
-            for kk in kinds:
-                if kk in self._real and kk in self._warm and clock - self._stamp[kk] >= self.max_age:
-                    del self._real[kk]  # stale: its scaled warmup time stands in until it is chosen again
-        med = self._median
-        real = {kk: med[kk, False] for kk in kinds if kk in self._real}
-        ratios = [real[kk] / med[kk, True] for kk in real if kk in self._warm]
-        scale = statistics.median(ratios) if ratios else 1.0
-        for kk in kinds:
-            self._seconds[kk] = real[kk] if kk in real else med[kk, True] * scale
-        low = math.inf
-        for kk in sorted(kinds, key=lambda kk: (not kk[2], kk[1]), reverse=True):
-            low = min(low, self._seconds[kk])
-            self._capped[kk] = low
-
-    def get(self, key: tuple) -> float | None:
-        return self.seconds.get(key)
-
-    def age(self, key: tuple) -> float:
-        """Real steps of ``key``'s bucket since ``key`` was last measured in one (inf: never)."""
-        if key not in self._real:
-            return math.inf
-        return self._clock.get((key[0], key[3]), 0) - self._stamp[key]
-
-    def estimate(self, rows: int, k: int, detached: bool, sampled: bool = False) -> float:
-        """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
-        bucket that does more work."""
-        self._flush()
-        got = self._capped.get((rows, k, detached, sampled))
-        if got is not None:
-            return got
-        base = self.seconds.get((rows, 0, True, sampled)) or self.seconds.get((rows, 0, False, sampled))
-        if base is None:
-            got = 1.0 + 0.25 * k  # nothing measured for this row bucket yet: unit costs, K costs extra
-        else:  # an unmeasured drafting step is assumed expensive (a verify over K+1 tokens plus drafting)
-            got = base * (1.0 + 0.25 * k) if not detached else base
-        kind = (k, detached)
-        for (r, kk, dd, ss), seconds in self.seconds.items():
-            if r == rows and ss == sampled and seconds < got and _more_work(kind, (kk, dd)):
-                got = seconds
-        return got
 
 
 @dataclasses.dataclass
