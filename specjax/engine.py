@@ -361,7 +361,9 @@ class Engine:
     def _plan(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
         """(K, drafts per row, host drafts or None, detached) for a decoding step of ``rows``."""
         n = len(rows)
-        if self._held and self._held_key == (slots.tobytes(), bool(self.scheduler.waiting)):
+        waiting = bool(self.scheduler.waiting)  # else the batch drains (RowCaps.remaining)
+        key = (slots.tobytes(), waiting)
+        if self._held and self._held_key == key:
             return self._held_step(rows, slots)
         self._held = 0
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
@@ -375,7 +377,7 @@ class Engine:
         wanted = None
         if self.controller is not None:
             wanted = self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits,
-                                              can_draft, None if self.scheduler.waiting else self._remaining(rows))
+                                              can_draft, None if waiting else self._remaining(rows))
             limits = wanted.caps.astype(np.int32)  # rows not worth drafting are not even looked up
         host_drafts = None
         if self.proposer.host_side and k:
@@ -384,7 +386,7 @@ class Engine:
             return (k if limits.any() else 0), limits, host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
-        self._held, self._held_key = plan.hold, (slots.tobytes(), bool(self.scheduler.waiting))
+        self._held, self._held_key = plan.hold, key
         self._held_plan = plan.held or (plan.k, plan.caps)
         return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
 

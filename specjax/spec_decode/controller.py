@@ -337,8 +337,7 @@ class SpeculationController:
                 # ngram at batch 1 greedy drafted in 1% of steps, 1.01x plain, fixed K = 2 1.26x.)
                 limit = cfg.replan_every - 1 if self.lookup_hit_rate < cfg.min_lookup_hits else 0
                 if not limit and one_lookup:
-                    held, limit = (k_found, np.minimum(plan.caps, k_found).astype(np.int32)), \
-                        cfg.draft_replan_every - 1
+                    held, limit = self._hit_plan(plan, k_found), cfg.draft_replan_every - 1
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
             hold = max(0, min(limit, plan.until_probe - 1))
         if not hold or k or held:
@@ -350,10 +349,15 @@ class SpeculationController:
             hold = max(0, min(cfg.draft_replan_every - 1, plan.until_probe - 1))
             if found is not None:  # caps as if the lookup had found every draft asked for (not only this one's)
                 k_found = self._could_draft(rows, plan) or k
-                held = (k_found, np.minimum(plan.caps, k_found).astype(np.int32))
+                held = self._hit_plan(plan, k_found)
         held_caps = caps if held is None else held[1]
         self._held_idle = [rid for rid, c in zip(plan.request_ids, held_caps) if not c] if hold else []
         return Decision(k=k, caps=caps, detached=detached, hold=hold, held=held)
+
+    @staticmethod
+    def _hit_plan(plan: RowCaps, k: int) -> tuple[int, np.ndarray]:
+        """(K, int32 caps [R]): the plan of K drafts had a host lookup found every draft the rows ask for."""
+        return k, np.minimum(plan.caps, k).astype(np.int32)
 
     def _could_draft(self, rows: int, plan: RowCaps) -> int:
         """The K a step would draft at if a host lookup found every draft the rows' estimates ask for, else 0.
