@@ -3,11 +3,12 @@
 For each method on the shipped pair (draft_model with builtin:draft, eagle3 with builtin:eagle3, ngram) and
 each load (batch 1 / 8 / 32 requests in one ``generate`` call, greedy / temperature 0.8 seeded per prompt),
 every system generates the same held-out stdlib prompts (``--prompt-len`` tokens, ``--new-tokens`` new tokens,
-ignore_eos) in interleaved rounds: plain decoding of the target, the adaptive controller
-(``"adaptive": true``, K <= 4) and static K in ``--static-ks`` (``"adaptive": false``). Every LLM is built and
-compiled first (``warmup=True``, which also times each step kind for the controller); one untimed run per
-system and load, then ``--reps`` rounds. Reported: tokens/s (median), speed-up over plain, and for adaptive its
-chosen-K histogram and share of plain steps. Greedy outputs are checked equal to plain decoding's.
+ignore_eos) in interleaved rounds, every other round in reverse order: plain decoding of the target, the adaptive
+controller (``"adaptive": true``, K <= 4) and static K in ``--static-ks`` (``"adaptive": false``). Every LLM is
+built and compiled first (``warmup=True``, which also times each step kind for the controller); one untimed run
+per system and load, then ``--reps`` rounds. Reported: tokens/s (median), speed-up over plain (the median over
+rounds of each round's ratio), and for adaptive its chosen-K histogram and shares of drafting and of detached
+steps. Greedy outputs are checked equal to plain decoding's.
 
     python benchmarks/bench_adaptive.py --out benchmarks/results/adaptive.json
 
@@ -151,16 +152,18 @@ def main() -> None:
                 calls = args.batch1_prompts if batch == 1 else 1
                 for name in names:  # untimed: first real steps
                     run_load(llms[name], prompts, batch, temperature, args.new_tokens)
-                for _ in range(args.reps):
-                    for name in names:
-                        elapsed, ids, before, after = run_load(llms[name], prompts, batch, temperature,
-                                                               args.new_tokens, calls)
+                for rep in range(args.reps):
+                    # Every other round in reverse order: the machine's speed drifts within a round too.
+                    outputs = {}
+                    for name in names if rep % 2 == 0 else names[::-1]:
+                        elapsed, outputs[name], before, after = run_load(llms[name], prompts, batch, temperature,
+                                                                         args.new_tokens, calls)
                         times[name].append(elapsed)
-                        if name == "plain":
-                            plain_ids = ids
-                        elif temperature == 0.0 and ids != plain_ids:
-                            raise SystemExit(f"{method} {name} batch {batch}: greedy output differs from plain")
                         metrics[name] = (before, after)
+                    if temperature == 0.0:
+                        for name, ids in outputs.items():
+                            if ids != outputs["plain"]:
+                                raise SystemExit(f"{method} {name} batch {batch}: greedy output differs from plain")
                 tokens = batch * calls * args.new_tokens
                 row = {"method": method, "batch": batch, "temperature": temperature, "systems": {}}
                 for name in names:
@@ -171,16 +174,23 @@ def main() -> None:
                         entry["acceptance_rate"] = (
                             (after["num_accepted_tokens"] - before["num_accepted_tokens"])
                             / max(1, after["num_draft_tokens"] - before["num_draft_tokens"]))
-                        entry["spec_step_share"] = (after["num_spec_steps"] - before["num_spec_steps"]) / max(
-                            1, after["num_steps"] - before["num_steps"])
+                        steps = max(1, after["num_steps"] - before["num_steps"])
+                        entry["spec_step_share"] = (after["num_spec_steps"] - before["num_spec_steps"]) / steps
+                        if name == "adaptive":  # over the last timed round
+                            entry["detached_step_share"] = (after["num_detached_steps"]
+                                                            - before["num_detached_steps"]) / steps
+                            entry["detached_prefills"] = (after["num_detached_prefills"]
+                                                          - before["num_detached_prefills"])
                         entry["num_drafts"] = after["num_drafts"] - before["num_drafts"]
                         entry["accepted_per_position"] = [  # over the last timed round
                             a - b for a, b in zip(after.get("accepted_per_position") or [],
                                                   before.get("accepted_per_position") or [])]
                     row["systems"][name] = entry
-                plain_tok_s = row["systems"]["plain"]["tok_s"]
                 for entry in row["systems"].values():
-                    entry["speedup"] = entry["tok_s"] / plain_tok_s
+                    # Each round's ratio to plain decoding in the same round, median over rounds: rounds are
+                    # seconds apart, and the machine's speed moves more between rounds than within one.
+                    entry["speedup"] = statistics.median(
+                        p / t for p, t in zip(row["systems"]["plain"]["times"], entry["times"]))
                 static = {n: e["speedup"] for n, e in row["systems"].items() if n.startswith("K=")}
                 best = max(static, key=static.get)
                 row["best_static"] = best
@@ -202,12 +212,13 @@ def main() -> None:
 
 def tables(d: dict) -> str:
     lines = ["| method | batch | T | plain tok/s | adaptive | best static K | adaptive / best static | "
-             "adaptive spec-step share |", "|---|---|---|---|---|---|---|---|"]
+             "adaptive spec-step share | adaptive detached-step share |", "|---|---|---|---|---|---|---|---|---|"]
     for r in d["results"]:
         s = r["systems"]
         lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {s['plain']['tok_s']:.0f} | "
                      f"{s['adaptive']['speedup']:.2f}x | {r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
-                     f"{r['adaptive_vs_best_static']:.2f} | {s['adaptive']['spec_step_share']:.2f} |")
+                     f"{r['adaptive_vs_best_static']:.2f} | {s['adaptive']['spec_step_share']:.2f} | "
+                     f"{s['adaptive'].get('detached_step_share', float('nan')):.2f} |")
     return "\n".join(lines)
 
 

@@ -113,6 +113,30 @@ def test_drafting_short_of_the_margin_over_the_target_alone_keeps_drafting():
     assert poor.prefers_plain(1, poor.row_caps(["new"], [False], np.asarray([K]), np.asarray([True])), 1)
 
 
+def test_detaching_waits_for_a_real_measurement_of_the_drafting_step_it_beats():
+    # Warmup timed every kind; real steps so far only the target alone (2x its warmup time), so drafting is
+    # estimated at its warmup time x 2. Drafting loses (acceptance 0.1), but detaching cannot be undone: the
+    # vote first runs the drafting K once, and new requests are prefilled attached until then.
+    c = SpeculationController(K, ControllerConfig(detach_after=2), can_detach=True)
+    for k in range(K + 1):
+        c.costs.observe((1, k, False, False), 1.0 + 0.5 * k, warmup=True)
+    c.costs.observe((1, 0, True, False), 0.5, warmup=True)
+    c.costs.observe((1, 0, True, False), 1.0)
+    _teach(c, "a", 0.1)
+    new = c.row_caps(["new"], [False], np.asarray([K]), np.asarray([True]))
+    assert not c.prefers_plain(1, new, 1)
+    first = _decide(c, 1, ["a"], [False], [K], [True])
+    assert first.k > 0 and not first.detached
+    c.costs.observe((1, first.k, False, False), c.costs.estimate(1, first.k, False))  # it costs what was guessed
+    assert c.prefers_plain(1, new, 1)
+    assert _decide(c, 1, ["a"], [False], [K], [True]).detached  # the second vote (detach_after = 2)
+    # Rows whose proposer state is stale already lose nothing by detaching: no measurement first.
+    c2 = SpeculationController(K, ControllerConfig(detach_after=2), can_detach=True)
+    for key, seconds in c.costs.seconds.items():
+        c2.costs.observe(key, seconds, warmup=True)
+    assert _decide(c2, 1, ["a"], [False], [0], [False]).detached
+
+
 def test_a_kind_not_chosen_for_cost_max_age_steps_falls_back_to_its_scaled_warmup_time():
     for max_age, expected in ((16, 2.0), (0, 9.0)):
         c = _controller({}, cost_max_age=max_age)

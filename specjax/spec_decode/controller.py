@@ -291,19 +291,24 @@ class SpeculationController:
         learn_k = self._learning_k(rows, n, cap_row, plan.sampled) if draft_k > 0 else 0
         drafting = pays or learn_k > 0
         draft_k = learn_k or draft_k
-        detached = False
+        detached = measure = False
         if not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate):
             self._detach_votes += 1
             stale = can_draft is not None and not np.any(can_draft)
-            detached = self._detach_votes >= cfg.detach_after or stale
+            measure = not stale and self._unmeasured(rows, draft_k, plan.sampled)
+            detached = not measure and (self._detach_votes >= cfg.detach_after or stale)
         else:
             self._detach_votes = 0
         if not drafting and not detached:
             # Attached either way: drafting needs the margin over an attached step without drafts only. (A
             # head's attached K=0 step drafts ahead and costs what K=1 costs; running it while detaching is
-            # still being voted on would be slower than both drafting and the target alone.)
-            drafting = draft_k > 0 and draft_rate >= cfg.min_speedup * attached_rate
-        k = self._explore(rows, draft_k, cap_row, plan.sampled) if drafting else 0
+            # still being voted on would be slower than both drafting and the target alone.) Or the vote
+            # runs the drafting K once to measure it (see _unmeasured).
+            drafting = measure or (draft_k > 0 and draft_rate >= cfg.min_speedup * attached_rate)
+        if measure:
+            k = draft_k
+        else:
+            k = self._explore(rows, draft_k, cap_row, plan.sampled) if drafting else 0
         probes = (plan.probing & (cap_row > 0)).any()
         if k == 0 and not detached and probes:
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
@@ -377,6 +382,14 @@ class SpeculationController:
         planning."""
         self._held_steps += 1
         self.count_step(k, False)
+
+    def _unmeasured(self, rows: int, k: int, sampled: bool) -> bool:
+        """Drafting at ``k`` (> 0) was never run in a real step of this bucket: its cost is warmup's time for it,
+        scaled by the real / warmup ratio of the kinds that were. Detaching cannot be undone, so it does not
+        rest on that: warmup's all-padding rows time kinds unevenly (shipped pair at batch 8, sampled: the
+        target alone ran 1.8x its warmup time, drafting steps 1.4-1.65x, so drafting looked 20% dearer than it
+        was; new requests were prefilled detached and never drafted, while fixed K = 2 ran 1.1-1.3x plain)."""
+        return k > 0 and not self.costs.seen((rows, k, False, sampled))
 
     def _explore(self, rows: int, k: int, cap_row: np.ndarray, sampled: bool) -> int:
         """``k``, or a neighbouring drafting K whose cost was not measured in a real step for ``cost_max_age``
@@ -463,9 +476,10 @@ class SpeculationController:
                                                             scale=num_rows / n):
             return False
         gains = self._gains(plan.reach, plan.caps)
-        _, draft_rate, attached_rate, detached_rate = self._rates(rows, num_rows, gains * (num_rows / n),
-                                                                  plan.sampled)
-        return self._detach_wins(draft_rate, attached_rate, detached_rate)
+        draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, num_rows, gains * (num_rows / n),
+                                                                        plan.sampled)
+        return (self._detach_wins(draft_rate, attached_rate, detached_rate)
+                and not self._unmeasured(rows, draft_k, plan.sampled))
 
     def learning(self, sampled: bool) -> bool:
         """Too few of the method's drafts verified yet (``learn_drafts``) to trust its acceptance prior."""
