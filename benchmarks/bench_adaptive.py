@@ -6,9 +6,9 @@ every system generates the same held-out stdlib prompts (``--prompt-len`` tokens
 ignore_eos) in interleaved rounds, every other round in reverse order: plain decoding of the target, the adaptive
 controller (``"adaptive": true``, K <= 4) and static K in ``--static-ks`` (``"adaptive": false``). Every LLM is
 built and compiled first (``warmup=True``, which also times each step kind for the controller); one untimed run
-per system and load, then ``--reps`` rounds. Reported: tokens/s (median), speed-up over plain (the median over
-rounds of each round's ratio), and for adaptive its chosen-K histogram and shares of drafting and of detached
-steps. Greedy outputs are checked equal to plain decoding's.
+per system and load, then ``--reps`` rounds (``--batch1-reps`` at batch 1). Reported: tokens/s (median),
+speed-up over plain (the median over rounds of each round's ratio), and for adaptive its chosen-K histogram and
+shares of drafting and of detached steps. Greedy outputs are checked equal to plain decoding's.
 
     python benchmarks/bench_adaptive.py --out benchmarks/results/adaptive.json
 
@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--prompts", choices=["stdlib", "selfgen"], default="stdlib",
                     help="held-out stdlib windows of exactly --prompt-len tokens, or selfgen's held-out prompts")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts of a batch-1 load (one call each)")
+    ap.add_argument("--batch1-reps", type=int, default=7,
+                    help="rounds of a batch-1 load (a round takes seconds; its ratios spread the most)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
@@ -152,7 +154,7 @@ def main() -> None:
                 calls = args.batch1_prompts if batch == 1 else 1
                 for name in names:  # untimed: first real steps
                     run_load(llms[name], prompts, batch, temperature, args.new_tokens)
-                for rep in range(args.reps):
+                for rep in range(args.batch1_reps if batch == 1 else args.reps):
                     # Every other round in reverse order: the machine's speed drifts within a round too.
                     outputs = {}
                     for name in names if rep % 2 == 0 else names[::-1]:

@@ -1,5 +1,7 @@
 """The adaptive speculation-length controller: decisions on fake costs and acceptance, then in the engine."""
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -125,16 +127,17 @@ def test_detaching_waits_for_a_real_measurement_of_the_drafting_step_it_beats():
     _teach(c, "a", 0.1)
     new = c.row_caps(["new"], [False], np.asarray([K]), np.asarray([True]))
     assert not c.prefers_plain(1, new, 1)
+    cheap = copy.deepcopy(c)
     first = _decide(c, 1, ["a"], [False], [K], [True])
-    assert first.k > 0 and not first.detached
+    assert first.k > 0 and not first.detached and first.hold == 0
     c.costs.observe((1, first.k, False, False), c.costs.estimate(1, first.k, False))  # it costs what was guessed
     assert c.prefers_plain(1, new, 1)
     assert _decide(c, 1, ["a"], [False], [K], [True]).detached  # the second vote (detach_after = 2)
-    # Rows whose proposer state is stale already lose nothing by detaching: no measurement first.
-    c2 = SpeculationController(K, ControllerConfig(detach_after=2), can_detach=True)
-    for key, seconds in c.costs.seconds.items():
-        c2.costs.observe(key, seconds, warmup=True)
-    assert _decide(c2, 1, ["a"], [False], [0], [False]).detached
+    # Measured at a fifth of the guess instead, drafting beats the target alone: no detaching, attached prefills.
+    first = _decide(cheap, 1, ["a"], [False], [K], [True])
+    cheap.costs.observe((1, first.k, False, False), 0.2 * cheap.costs.estimate(1, first.k, False))
+    assert not cheap.prefers_plain(1, new, 1)
+    assert not any(_decide(cheap, 1, ["a"], [False], [K], [True]).detached for _ in range(4))
 
 
 def test_a_kind_not_chosen_for_cost_max_age_steps_falls_back_to_its_scaled_warmup_time():
@@ -314,6 +317,20 @@ def test_kinds_seen_only_at_warmup_scale_with_the_real_steps_of_their_bucket():
     assert c.costs.estimate(8, 0, True) == 1.6
     assert c.costs.estimate(8, 1, False) == 3.0 and c.costs.estimate(8, 2, False) == 4.0
     assert c.costs.estimate(8, 1, False, True) == 1.25  # another bucket (sampled): nothing measured, a guess
+
+
+def test_plain_and_drafting_kinds_seen_only_at_warmup_scale_apart():
+    c = _controller({}, cost_max_age=8)
+    for k in range(K + 1):  # all-padding warmup steps: K=k costs 1 + 0.5 k, the target alone 0.8
+        c.costs.observe((8, k, False, False), 1.0 + 0.5 * k, warmup=True)
+    c.costs.observe((8, 0, True, False), 0.8, warmup=True)
+    c.costs.observe((8, 0, True, False), 1.6)  # real plain steps run 2x their warmup time
+    c.costs.observe((8, 1, False, False), 2.25)  # real drafting steps 1.5x
+    assert c.costs.estimate(8, 2, False) == 3.0 and c.costs.estimate(8, 0, False) == 2.0
+    for _ in range(16):  # then only the target alone runs, on a machine grown 2x slower; K=1's times expire
+        c.costs.observe((8, 0, True, False), 3.2)
+    # Drafting keeps its relation to plain steps (1.5 / 2 of the plain family's ratio, now 4): 2.0 x 3, not x 4.
+    assert c.costs.estimate(8, 1, False) == 4.5 and c.costs.estimate(8, 2, False) == 6.0
 
 
 def test_a_kind_is_never_estimated_above_one_that_does_more_work():

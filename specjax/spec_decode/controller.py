@@ -10,8 +10,9 @@ The controller picks, for a decoding step of ``R`` rows, one of
   KV lacks that token), so detaching needs the target alone to beat both
   attached choices outright (no margin: hysteresis against a dipping estimate)
   for several steps in a row (``detach_after``); meanwhile the step runs the
-  better attached choice, and drafting keeps the estimate up to date. New
-  requests are prefilled detached by the same rule
+  better attached choice, and drafting keeps the estimate up to date. Nor does
+  it rest on a drafting cost known only from warmup: the vote first runs that
+  K once. New requests are prefilled detached by the same rules
   (:meth:`SpeculationController.prefers_plain`): then the proposer never reads
   their prompts.
 
@@ -295,7 +296,7 @@ class SpeculationController:
         if not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate):
             self._detach_votes += 1
             stale = can_draft is not None and not np.any(can_draft)
-            measure = not stale and self._unmeasured(rows, draft_k, plan.sampled)
+            measure = self._unmeasured(rows, draft_k, plan.sampled)  # (a vote too)
             detached = not measure and (self._detach_votes >= cfg.detach_after or stale)
         else:
             self._detach_votes = 0
@@ -384,8 +385,8 @@ class SpeculationController:
         self.count_step(k, False)
 
     def _unmeasured(self, rows: int, k: int, sampled: bool) -> bool:
-        """Drafting at ``k`` (> 0) was never run in a real step of this bucket: its cost is warmup's time for it,
-        scaled by the real / warmup ratio of the kinds that were. Detaching cannot be undone, so it does not
+        """Drafting at ``k`` (> 0) never ran in a real step of this bucket: its cost is warmup's time for it,
+        scaled by the real / warmup ratio of the kinds that did (no rows are stale then: stale rows have cap 0). Detaching cannot be undone, so it does not
         rest on that: warmup's all-padding rows time kinds unevenly (shipped pair at batch 8, sampled: the
         target alone ran 1.8x its warmup time, drafting steps 1.4-1.65x, so drafting looked 20% dearer than it
         was; new requests were prefilled detached and never drafted, while fixed K = 2 ran 1.1-1.3x plain)."""
