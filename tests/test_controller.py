@@ -319,20 +319,6 @@ def test_kinds_seen_only_at_warmup_scale_with_the_real_steps_of_their_bucket():
     assert c.costs.estimate(8, 1, False, True) == 1.25  # another bucket (sampled): nothing measured, a guess
 
 
-def test_plain_and_drafting_kinds_seen_only_at_warmup_scale_apart():
-    c = _controller({}, cost_max_age=8)
-    for k in range(K + 1):  # all-padding warmup steps: K=k costs 1 + 0.5 k, the target alone 0.8
-        c.costs.observe((8, k, False, False), 1.0 + 0.5 * k, warmup=True)
-    c.costs.observe((8, 0, True, False), 0.8, warmup=True)
-    c.costs.observe((8, 0, True, False), 1.6)  # real plain steps run 2x their warmup time
-    c.costs.observe((8, 1, False, False), 2.25)  # real drafting steps 1.5x
-    assert c.costs.estimate(8, 2, False) == 3.0 and c.costs.estimate(8, 0, False) == 2.0
-    for _ in range(16):  # then only the target alone runs, on a machine grown 2x slower; K=1's times expire
-        c.costs.observe((8, 0, True, False), 3.2)
-    # Drafting keeps its relation to plain steps (1.5 / 2 of the plain family's ratio, now 4): 2.0 x 3, not x 4.
-    assert c.costs.estimate(8, 1, False) == 4.5 and c.costs.estimate(8, 2, False) == 6.0
-
-
 def test_a_kind_is_never_estimated_above_one_that_does_more_work():
     # Detached plain measured badly once (5.0) and never chosen again; attached K=0 and K=2 measured cheaper.
     c = _controller({(1, 0, True): 5.0, (1, 0, False): 2.0, (1, 1, False): 4.0, (1, 2, False): 3.0})

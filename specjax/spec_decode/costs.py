@@ -22,8 +22,7 @@ class CostModel:
     all-padding rows, which do not cost what real rows cost (they all read one KV block; measured 1.6x faster
     at 32 rows, slower at 1); a kind not yet seen in real steps costs its warmup time scaled by the real /
     warmup ratio of the kinds of its bucket that were (else a kind the controller keeps choosing would be
-    compared in real time against the others in warmup time); plain and drafting kinds scale apart (see
-    :meth:`_scales`)."""
+    compared in real time against the others in warmup time)."""
 
     def __init__(self, window: int, max_age: int = 0):
         self.window = window
@@ -40,7 +39,6 @@ class CostModel:
         self._clock: dict[tuple, int] = {}  # (rows, sampled) -> real steps measured in that bucket
         self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement
         self._seen: set[tuple] = set()  # kinds ever measured in a real step (or set)
-        self._relation: dict[tuple, float] = {}  # (rows, sampled) -> drafting / plain real-to-warmup ratio, last known
 
     def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
         """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup.
@@ -97,32 +95,14 @@ class CostModel:
                     del self._real[kk]  # stale: its scaled warmup time stands in until it is chosen again
         med = self._median
         real = {kk: med[kk, False] for kk in kinds if kk in self._real}
-        scale = self._scales(bucket, {kk: real[kk] / med[kk, True] for kk in real if kk in self._warm})
+        ratios = [real[kk] / med[kk, True] for kk in real if kk in self._warm]
+        scale = statistics.median(ratios) if ratios else 1.0
         for kk in kinds:
-            self._seconds[kk] = real[kk] if kk in real else med[kk, True] * scale[kk[1] > 0]
+            self._seconds[kk] = real[kk] if kk in real else med[kk, True] * scale
         low = math.inf
         for kk in sorted(kinds, key=lambda kk: (not kk[2], kk[1]), reverse=True):
             low = min(low, self._seconds[kk])
             self._capped[kk] = low
-
-    def _scales(self, bucket: tuple, ratios: dict[tuple, float]) -> dict[bool, float]:
-        """Real / warmup time for the kinds of ``bucket`` seen only at warmup, per family (drafting: K >= 1), from
-        ``ratios`` (kind -> its real / warmup time): the median of the family's ratios, else the other family's
-        times the families' relation when both were last measured together (else the other's alone; 1.0 when
-        nothing was measured). Warmup's all-padding rows time the families unevenly (shipped pair at batch 8,
-        sampled: the target alone ran 1.8x its warmup time, drafting steps 1.4-1.65x), so one scale for both made
-        every drafting step 20% dearer than it was while only plain steps ran."""
-        by_family = {False: [], True: []}
-        for kk, r in ratios.items():
-            by_family[kk[1] > 0].append(r)
-        scale = {f: statistics.median(r) for f, r in by_family.items() if r}
-        if len(scale) == 2:
-            self._relation[bucket] = scale[True] / scale[False]
-        if len(scale) == 1:
-            (f, other), = scale.items()
-            rel = self._relation.get(bucket)
-            scale[not f] = other if rel is None else other / rel if f else other * rel
-        return scale or {False: 1.0, True: 1.0}
 
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
