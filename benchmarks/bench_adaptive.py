@@ -16,7 +16,8 @@ The real-model rows (issue 15): SmolLM2-135M-Instruct with ngram, suffix and its
 held-out prompts of ``specjax.train.selfgen`` (chat, prose, code; topics the head never trained on):
 
     python benchmarks/bench_adaptive.py --model builtin:smollm2 --prompts selfgen \
-        --methods ngram suffix smollm2_eagle3 --batches 1 8 --out benchmarks/results/smollm2_spec.json
+        --methods ngram suffix smollm2_eagle3 --batches 1 8 --static-ks 1 2 --prompt-len 96 --batch1-prompts 2 \
+        --reps 3 --batch1-reps 3 --out benchmarks/results/smollm2_spec.json
 
 A batch-1 load generates ``--batch1-prompts`` prompts one ``generate`` call each (one call lasts only
 ``--new-tokens`` steps, too short to time alone on a noisy machine).
