@@ -9,7 +9,10 @@ import os
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# A collective waits for all 8 devices' threads; on a 2-core machine running other tests beside it one thread
+# missed XLA's default 40 s rendezvous timeout once (2026-12-05), aborting the process: give it 10 minutes.
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8"
+                           " --xla_cpu_collective_call_terminate_timeout_seconds=600")
 
 import jax  # noqa: E402
 
