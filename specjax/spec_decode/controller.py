@@ -296,7 +296,7 @@ class SpeculationController:
         if not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate):
             self._detach_votes += 1
             stale = can_draft is not None and not np.any(can_draft)
-            measure = self._unmeasured(rows, draft_k, plan.sampled)  # (a vote too)
+            measure = self._unmeasured(rows, draft_k, plan.sampled)  # (the measuring step still counts as a vote)
             detached = not measure and (self._detach_votes >= cfg.detach_after or stale)
         else:
             self._detach_votes = 0
