@@ -37,8 +37,8 @@ class CostModel:
         self._kinds: dict[tuple, set] = {}  # (rows, sampled) -> the kinds measured in that bucket
         self._capped: dict[tuple, float] = {}  # seconds capped by the kinds that do more work (the envelope)
         self._clock: dict[tuple, int] = {}  # (rows, sampled) -> real steps measured in that bucket
-        self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement
-        self._seen: set[tuple] = set()  # kinds ever measured in a real step (or set)
+        self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement (kept after
+        # its measurements expire: the kinds ever measured in a real step, or set)
 
     def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
         """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup.
@@ -59,7 +59,6 @@ class CostModel:
         self._kinds.setdefault(bucket, set()).add(key)
         if not warmup:
             self._clock[bucket] = self._stamp[key] = self._clock.get(bucket, 0) + 1
-            self._seen.add(key)
 
     def set(self, key: tuple, seconds: float) -> None:
         """Replace a kind's measurements by one real value."""
@@ -68,7 +67,6 @@ class CostModel:
         self._dirty.setdefault(bucket, set()).add((key, False))
         self._kinds.setdefault(bucket, set()).add(key)
         self._stamp[key] = self._clock.get(bucket, 0)
-        self._seen.add(key)
 
     @property
     def seconds(self) -> dict[tuple, float]:
@@ -109,7 +107,7 @@ class CostModel:
 
     def seen(self, key: tuple) -> bool:
         """Kind ``key`` ran in a real step at least once (its estimate is not warmup time alone)."""
-        return key in self._seen
+        return key in self._stamp
 
     def age(self, key: tuple) -> float:
         """Real steps of ``key``'s bucket since ``key`` was last measured in one (inf: never)."""
