@@ -4,7 +4,10 @@ For each method on the shipped pair (draft_model with builtin:draft, eagle3 with
 each load (batch 1 / 8 / 32 requests in one ``generate`` call, greedy / temperature 0.8 seeded per prompt),
 every system generates the same held-out stdlib prompts (``--prompt-len`` tokens, ``--new-tokens`` new tokens,
 ignore_eos) in interleaved rounds, every other round in reverse order: plain decoding of the target, the adaptive
-controller (``"adaptive": true``, K <= 4) and static K in ``--static-ks`` (``"adaptive": false``). Every LLM is
+controller (``"adaptive": true``, K <= 4), static K in ``--static-ks`` (``"adaptive": false``) and, unless
+``--no-control``, a second plain LLM (``control``): its ratio to plain is the run's noise floor, what a system
+exactly as fast as plain decoding reads in this run (on this 2-core machine a second plain LLM read
+0.99-1.03x plain in one-load runs of 6-11 rounds). Every LLM is
 built and compiled first (``warmup=True``, which also times each step kind for the controller); one untimed run
 per system and load, then ``--reps`` rounds (``--batch1-reps`` at batch 1). Reported: tokens/s (median),
 speed-up over plain (the median over rounds of each round's ratio), and for adaptive its chosen-K histogram and
@@ -126,11 +129,14 @@ def main() -> None:
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts of a batch-1 load (one call each)")
     ap.add_argument("--batch1-reps", type=int, default=7,
                     help="rounds of a batch-1 load (a round takes seconds; its ratios spread the most)")
+    ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time a second plain LLM, reported as 'control' (the noise floor of the ratios)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     t0 = time.perf_counter()
     plain = build(args, None)
+    control = {"control": build(args, None)} if args.control else {}
     n_prompts = max(max(args.batches), args.batch1_prompts)
     prompts = (token_prompts(plain.tokenizer, n_prompts, args.prompt_len) if args.prompts == "stdlib"
                else selfgen_prompts(args.model, n_prompts, args.prompt_len))
@@ -141,7 +147,7 @@ def main() -> None:
         # code memory ran out with all of them at once (LLVM "Cannot allocate memory", 2026-12-03).
         t0 = time.perf_counter()
         base = dict(METHODS[method])
-        llms = {"plain": plain, "adaptive": build(args, {**base, "num_speculative_tokens": args.k_max,
+        llms = {"plain": plain, **control, "adaptive": build(args, {**base, "num_speculative_tokens": args.k_max,
                                                          "adaptive": True})}
         for k in args.static_ks:
             llms[f"K={k}"] = build(args, {**base, "num_speculative_tokens": k, "adaptive": False})
@@ -172,7 +178,7 @@ def main() -> None:
                 for name in names:
                     med = statistics.median(times[name])
                     entry = {"median_s": med, "tok_s": tokens / med, "times": times[name]}
-                    if name != "plain":
+                    if name not in ("plain", "control"):
                         before, after = metrics[name]
                         entry["acceptance_rate"] = (
                             (after["num_accepted_tokens"] - before["num_accepted_tokens"])
@@ -214,11 +220,12 @@ def main() -> None:
 
 
 def tables(d: dict) -> str:
-    lines = ["| method | batch | T | plain tok/s | adaptive | best static K | adaptive / best static | "
-             "adaptive spec-step share | adaptive detached-step share |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | T | plain tok/s | control | adaptive | best static K | adaptive / best static | "
+             "adaptive spec-step share | adaptive detached-step share |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["results"]:
         s = r["systems"]
-        lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {s['plain']['tok_s']:.0f} | "
+        control = f"{s['control']['speedup']:.2f}x" if "control" in s else "-"
+        lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {s['plain']['tok_s']:.0f} | {control} | "
                      f"{s['adaptive']['speedup']:.2f}x | {r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
                      f"{r['adaptive_vs_best_static']:.2f} | {s['adaptive']['spec_step_share']:.2f} | "
                      f"{s['adaptive'].get('detached_step_share', float('nan')):.2f} |")
