@@ -411,19 +411,23 @@ class Engine:
     def _row_limits(self, rows, slots: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(int32 [R]: the most drafts each row can verify, bool [R]: its proposer state is current). Drafts only
         where they can commit: never past max_tokens or max_model_len."""
-        table = self.scheduler.slots
-        limits = np.array([
-            max(0, min(k, r.request.params.max_tokens - len(r.request.output_token_ids) - 1,
-                       self.config.max_model_len - r.request.num_tokens - 1)) if r.samples else 0
-            for r in rows
-        ], np.int32)
-        can_draft = table.synced[slots]
-        if self.proposer.drafts_ahead:
-            ready = table.ready_drafts[slots]
-            can_draft &= ready > 0
-            np.minimum(limits, ready, out=limits)
-        limits *= can_draft
-        return limits, can_draft
+        # Per row in Python: this runs every decoding step, right after a step has streamed the weights through
+        # the caches, where each numpy call on these few-element arrays cost ~10 us (seven of them: 67 us).
+        table, max_len = self.scheduler.slots, self.config.max_model_len
+        synced, ready = table.synced, table.ready_drafts if self.proposer.drafts_ahead else None
+        limits, can_draft = [], []
+        for r, slot in zip(rows, slots.tolist()):
+            request = r.request
+            can = bool(synced[slot]) and (ready is None or ready[slot] > 0)
+            n = 0
+            if can and r.samples:
+                n = max(0, min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
+                               max_len - request.num_tokens - 1))
+                if ready is not None:
+                    n = min(n, int(ready[slot]))
+            limits.append(n)
+            can_draft.append(can)
+        return np.array(limits, np.int32), np.array(can_draft, bool)
 
     def _remaining(self, rows) -> np.ndarray:
         """int64 [R]: tokens each row may still generate (max_tokens and max_model_len; an end-of-sequence token
