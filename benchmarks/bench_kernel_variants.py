@@ -1,17 +1,17 @@
-"""Variants of the panel-matmul kernel against the built one, in one process (issue 14).
+"""Variants of the CPU kernels (panel matmul, paged attention) against the built ones, in one process (issue 14).
 
 Separate processes differ by several percent in the same step (the 1-token SmolLM2 step ranged 29.2-35.1 ms
-across eight processes of one kernel, 2026-12-05), which hid effects of that size. Here each variant of
-``models/cpu_kernels/panel_matmul.cc`` (the source with text replaced, see ``VARIANTS``) is compiled as its
-own library and registered under its own XLA target, so the same process compiles the model's step (the
-CPU layout, ``bench_verify_cost.make_step``) once per variant and per query length T, and times them in
-interleaved rounds (every other round reversed), 3 calls per round after one untimed. Reported per variant:
-the median step time at T = 1 and T = K + 1, their ratio, and the median over rounds of each round's time
-relative to the built kernel's.
+across eight processes of one kernel, 2026-12-05), which hid effects of that size. Here each variant (the kernels'
+sources in ``models/cpu_kernels`` with text replaced, see ``VARIANTS``) is compiled as its own library and
+registered under its own XLA targets, so the same process compiles the model's step (the CPU layout,
+``bench_verify_cost.make_step``) once per variant and per query length T, and times them in interleaved
+rounds (every other round reversed), 3 calls per round after one untimed. Reported per variant: the median
+step time at T = 1 and T = K + 1, their ratio, and the median over rounds of each round's time relative to
+the built kernels'.
 
     python benchmarks/bench_kernel_variants.py --variants plain_prefetch_2k --model smollm2 --rounds 15
 
-The built kernel is what ``models/cpu_kernels/build.py`` builds from the source as it stands.
+The built kernels are what ``models/cpu_kernels/build.py`` builds from the sources as they stand.
 """
 
 from __future__ import annotations
@@ -38,38 +38,60 @@ from models.cpu_kernels import build  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 
 _PREFETCH = "__builtin_prefetch(ahead + b, 0, 0);"
-VARIANTS = {  # name -> [(text in panel_matmul.cc, replacement)]
-    # What the kernel did before 2026-12-05 (a plain prefetch 2 KiB ahead).
-    "plain_prefetch_2k": [(_PREFETCH, "__builtin_prefetch(ahead + b);"),
-                          ("kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
-    "plain_prefetch_4k": [(_PREFETCH, "__builtin_prefetch(ahead + b);")],
-    "nta_prefetch_2k": [("kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
-    "nta_prefetch_8k": [("kPrefetchBytes = 4096;", "kPrefetchBytes = 8192;")],
-    "tasks_of_16_panels": [("constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;",
+_SPLITS = "  const int64_t splits = (s.T + kQueryTokens - 1) / kQueryTokens;"
+_RANGE = "    const int64_t t0 = split * kQueryTokens, t1 = std::min(s.T, t0 + kQueryTokens);"
+VARIANTS = {  # name -> [(source file, its text, replacement)]
+    # The panel kernel before 2026-12-05 (a plain prefetch 2 KiB ahead).
+    "plain_prefetch_2k": [("panel_matmul.cc", _PREFETCH, "__builtin_prefetch(ahead + b);"),
+                          ("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
+    "plain_prefetch_4k": [("panel_matmul.cc", _PREFETCH, "__builtin_prefetch(ahead + b);")],
+    "nta_prefetch_2k": [("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
+    "nta_prefetch_8k": [("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 8192;")],
+    "tasks_of_16_panels": [("panel_matmul.cc", "constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;",
                             "constexpr int64_t kChunk = 16;")],
+    # Attention: with fewer (row, kv head) tasks than twice the threads (batch 1: 3 kv heads on 2 threads),
+    # split the query tokens evenly over one task each, so a verify's tokens spread over the threads.
+    "attention_token_tasks": [
+        ("paged_attention.cc", _SPLITS,
+         "  const int64_t splits = s.B * s.G < 2 * pool.num_threads() ? s.T : (s.T + kQueryTokens - 1) / kQueryTokens;"),
+        ("paged_attention.cc", _RANGE,
+         "    const int64_t t0 = split * s.T / splits, t1 = std::min(s.T, (split + 1) * s.T / splits);")],
+    # The same with as few splits as make twice as many tasks as threads (batch 1, 3 kv heads: 2 splits).
+    "attention_two_tasks_per_thread": [
+        ("paged_attention.cc", _SPLITS,
+         "  const int64_t want = (2 * pool.num_threads() + s.B * s.G - 1) / (s.B * s.G);\n"
+         "  const int64_t splits = want > 1 ? std::min<int64_t>(s.T, want) : (s.T + kQueryTokens - 1) / kQueryTokens;"),
+        ("paged_attention.cc", _RANGE,
+         "    const int64_t t0 = split * s.T / splits, t1 = std::min(s.T, (split + 1) * s.T / splits);")],
 }
+_FILES = ("panel_matmul.cc", "paged_attention.cc")
 
 
-def build_variant(name: str, workdir: Path) -> str:
-    """Compile ``name``'s source as its own library, register it; its XLA target name."""
-    src = (build.HERE / "panel_matmul.cc").read_text()
-    for old, new in VARIANTS[name]:
-        if old not in src:
-            raise SystemExit(f"variant {name}: {old!r} is not in panel_matmul.cc any more")
-        src = src.replace(old, new)
-    cc, so = workdir / f"{name}.cc", workdir / f"{name}.so"
-    cc.write_text(src)
+def build_variant(name: str, workdir: Path) -> tuple[str, str]:
+    """Compile the kernels' sources with ``name``'s replacements as their own library, register its two
+    targets; (panel matmul target, attention target)."""
+    sources = {f: (build.HERE / f).read_text() for f in _FILES}
+    for file, old, new in VARIANTS[name]:
+        if old not in sources[file]:
+            raise SystemExit(f"variant {name}: {old!r} is not in {file} any more")
+        sources[file] = sources[file].replace(old, new)
+    paths = []
+    for file, text in sources.items():
+        paths.append(workdir / f"{name}_{file}")
+        paths[-1].write_text(text)
+    so = workdir / f"{name}.so"
     cxx = build._compiler()
     if cxx is None:
         raise SystemExit("no C++ compiler")
-    done = subprocess.run([cxx, *build.FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{build.HERE}", str(cc),
-                           str(build.HERE / "paged_attention.cc"), "-o", str(so)], capture_output=True, text=True)
+    done = subprocess.run([cxx, *build.FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{build.HERE}", *map(str, paths),
+                           "-o", str(so)], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"variant {name} did not build:\n{done.stderr}")
     lib = ctypes.CDLL(str(so))
-    target = f"{build.TARGET}_{name}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.SpecjaxPanelMatmul), platform="cpu")
-    return target
+    targets = (f"{build.TARGET}_{name}", f"{build.ATTENTION_TARGET}_{name}")
+    for target, symbol in zip(targets, ("SpecjaxPanelMatmul", "SpecjaxPagedAttention")):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return targets
 
 
 def main() -> None:
@@ -84,8 +106,8 @@ def main() -> None:
     args = ap.parse_args()
     if build.load() is None:
         raise SystemExit("the CPU kernels are unavailable here")
-    base_target = build.TARGET
-    targets = {"built": base_target}
+    base_targets = (build.TARGET, build.ATTENTION_TARGET)
+    targets = {"built": base_targets}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
             targets[name] = build_variant(name, Path(tmp))
@@ -98,16 +120,18 @@ def main() -> None:
         ts = (1, args.k + 1)
         exes = {}
         try:
-            for name, target in targets.items():
-                build.TARGET = target  # what panel_matmul's ffi_call names while this step is traced
+            for name, (matmul, attention) in targets.items():
+                # What the kernels' ffi_calls name while this step is traced.
+                build.TARGET, build.ATTENTION_TARGET = matmul, attention
                 for t in ts:
                     inputs = bv.step_inputs(args.batch, t, args.context, width)
                     exe = bv.compile_exe(bv.make_step(config, t), (params, kv, *inputs))
-                    if f'"{target}"' not in exe.as_text():
-                        raise SystemExit(f"{name}: the step does not call {target}")
+                    text = exe.as_text()
+                    if f'"{matmul}"' not in text or f'"{attention}"' not in text:
+                        raise SystemExit(f"{name}: the step does not call {matmul} and {attention}")
                     exes[(name, t)] = (exe, inputs)
         finally:
-            build.TARGET = base_target
+            build.TARGET, build.ATTENTION_TARGET = base_targets
         state = {"kv": kv}
 
         def call(key) -> None:
