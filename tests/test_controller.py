@@ -182,6 +182,29 @@ def test_while_learning_k_is_chosen_at_the_optimistic_acceptance_so_deeper_posit
     assert not c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == K
 
 
+def test_every_explore_every_th_detached_prefill_runs_attached_and_probes_before_detaching():
+    # The target alone wins (1.0 s a token against 2.0 attached, drafting 2.5 at acceptance 0.1): new requests
+    # are prefilled detached, and so would never draft again; every 4th is prefilled attached instead and
+    # probes one draft in its first decoding step, although detaching has won its vote (detach_after = 1).
+    costs = {(1, 0, False): 2.0} | {(1, k, False): 2.5 for k in range(1, K + 1)} | {(1, 0, True): 1.0}
+    c = _controller(costs, can_detach=True, detach_after=1, explore_every=4)
+    _teach(c, "a", 0.1)
+
+    def prefill(controller, rid):
+        return controller.prefers_plain(1, controller.row_caps([rid], [False], np.asarray([K]), np.asarray([True])), 1)
+
+    assert [prefill(c, f"r{i}") for i in range(8)] == [True, True, True, False] * 2
+    first = _decide(c, 1, ["r3"], [False], [K], [True])
+    assert first.k == 1 and first.caps.tolist() == [1] and not first.detached
+    c.observe("r3", False, 1, 0)
+    assert _decide(c, 1, ["r3"], [False], [K], [True]).detached  # then it detaches, as the vote said
+    never = _controller(costs, can_detach=True, detach_after=1, explore_every=0)
+    _teach(never, "a", 0.1)
+    assert all(prefill(never, f"r{i}") for i in range(20))
+    with pytest.raises(ValueError, match="explore_every"):
+        ControllerConfig(explore_every=-1)
+
+
 def test_probe_after_idle_steps():
     costs = {(1, k, False): 3.0 for k in range(1, K + 1)} | {(1, 0, False): 1.0}
     c = _controller(costs, probe_every=5)

@@ -14,7 +14,9 @@ The controller picks, for a decoding step of ``R`` rows, one of
   it rest on a drafting cost known only from warmup: the vote first runs that
   K once. New requests are prefilled detached by the same rules
   (:meth:`SpeculationController.prefers_plain`): then the proposer never reads
-  their prompts.
+  their prompts; every ``explore_every``-th of them is prefilled attached and
+  probes one draft first (a due probe runs before a detach), so the method's
+  estimate keeps seeing drafts and a low early estimate can recover.
 
 It maximizes expected committed tokens per second,
 ``(R + sum_r E[accepted_r | cap_r]) / cost(bucket, K)``, drafting only when that
@@ -103,6 +105,12 @@ class ControllerConfig:
     planning costs 0.3-0.4 ms of host work (cold caches after a step: numpy calls cost several times their
     microbenchmark), 5-13% of a drafting step on the shipped target, and a row's estimate moves little in a
     few steps."""
+    explore_every: int = 16
+    """Of the new requests whose prefill the controller would run detached, every this-many-th is prefilled
+    attached instead and probes one draft in its first decoding step (0 = never). Detached requests never
+    draft, so once new requests are prefilled detached the method's estimate sees no more drafts: without this,
+    a low early estimate (eagle3 on the shipped pair at batch 1, T 0.8, stopped drafting after its first 39
+    sampled drafts and never drafted again, 0.90x plain, where fixed K = 2 ran 1.04x) would stand for good."""
     min_lookup_hits: float = 0.1
     """A plan kept plain only because a host lookup found no drafts is held (``replan_every``) only while fewer
     than this share of recent such lookups found any: the next lookup may hit, and a hit is worth far more
@@ -116,7 +124,7 @@ class ControllerConfig:
         if not (0.0 <= self.initial_acceptance <= 1.0):
             raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
         for name, low in (("cost_window", 1), ("cost_max_age", 0), ("learn_drafts", 0), ("detach_after", 0),
-                          ("probe_every", 0), ("replan_every", 0), ("draft_replan_every", 0)):
+                          ("probe_every", 0), ("replan_every", 0), ("draft_replan_every", 0), ("explore_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
@@ -202,6 +210,7 @@ class SpeculationController:
         self.num_detached_steps = 0
         self.num_detached_prefills = 0
         self._optimistic: dict[bool, tuple[tuple[int, float], np.ndarray]] = {}  # sampled -> (key, reach)
+        self._detached_prefill_votes = 0  # prefill decisions that chose detached (see ``explore_every``)
 
     # ------------------------------------------------------------------ estimates
 
@@ -297,11 +306,13 @@ class SpeculationController:
         drafting = pays or learn_k > 0
         draft_k = learn_k or draft_k
         detached = measure = False
+        probes = (plan.probing & (cap_row > 0)).any()
         if not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate):
             self._detach_votes += 1
             stale = can_draft is not None and not np.any(can_draft)
             measure = self._unmeasured(rows, draft_k, plan.sampled)  # (the measuring step still counts as a vote)
-            detached = not measure and (self._detach_votes >= cfg.detach_after or stale)
+            # A due probe runs first: detaching would end the rows' drafts, and with them the probe's evidence.
+            detached = not measure and not probes and (self._detach_votes >= cfg.detach_after or stale)
         else:
             self._detach_votes = 0
         if not drafting and not detached:
@@ -314,7 +325,6 @@ class SpeculationController:
             k = draft_k
         else:
             k = self._explore(rows, draft_k, cap_row, plan.sampled) if drafting else 0
-        probes = (plan.probing & (cap_row > 0)).any()
         if k == 0 and not detached and probes:
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
         caps = np.minimum(cap_row, k).astype(np.int32)
@@ -486,8 +496,16 @@ class SpeculationController:
         gains = self._gains(plan.reach, plan.caps)
         draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, num_rows, gains * (num_rows / n),
                                                                         plan.sampled)
-        return (self._detach_wins(draft_rate, attached_rate, detached_rate)
-                and not self._unmeasured(rows, draft_k, plan.sampled))
+        if not (self._detach_wins(draft_rate, attached_rate, detached_rate)
+                and not self._unmeasured(rows, draft_k, plan.sampled)):
+            return False
+        self._detached_prefill_votes += 1
+        explore = self.config.explore_every
+        if explore and self._detached_prefill_votes % explore == 0:
+            for rid in plan.request_ids:  # a probe is due at their first decoding step (see row_caps)
+                self._idle_steps[rid] = 1 << 30
+            return False
+        return True
 
     def learning(self, sampled: bool) -> bool:
         """Too few of the method's drafts verified yet (``learn_drafts``) to trust its acceptance prior."""
