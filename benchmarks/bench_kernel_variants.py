@@ -20,7 +20,6 @@ import argparse
 import ctypes
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,13 +63,12 @@ VARIANTS = {  # name -> [(source file, its text, replacement)]
         ("paged_attention.cc", _RANGE,
          "    const int64_t t0 = split * s.T / splits, t1 = std::min(s.T, (split + 1) * s.T / splits);")],
 }
-_FILES = ("panel_matmul.cc", "paged_attention.cc")
 
 
-def build_variant(name: str, workdir: Path) -> tuple[str, str]:
-    """Compile the kernels' sources with ``name``'s replacements as their own library, register its two
-    targets; (panel matmul target, attention target)."""
-    sources = {f: (build.HERE / f).read_text() for f in _FILES}
+def build_variant(name: str, workdir: Path) -> tuple[str, ...]:
+    """Compile the kernels' sources with ``name``'s replacements as their own library and register its targets
+    under ``<target>_<name>``; those names, in ``build._SYMBOLS`` order (panel matmul, attention)."""
+    sources = {path.name: path.read_text() for path in build.SOURCES}
     for file, old, new in VARIANTS[name]:
         if old not in sources[file]:
             raise SystemExit(f"variant {name}: {old!r} is not in {file} any more")
@@ -83,15 +81,16 @@ def build_variant(name: str, workdir: Path) -> tuple[str, str]:
     cxx = build._compiler()
     if cxx is None:
         raise SystemExit("no C++ compiler")
-    done = subprocess.run([cxx, *build.FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{build.HERE}", *map(str, paths),
-                           "-o", str(so)], capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"variant {name} did not build:\n{done.stderr}")
+    try:
+        build._build(cxx, so, tuple(paths))
+    except RuntimeError as e:
+        raise SystemExit(f"variant {name} did not build: {e}") from None
     lib = ctypes.CDLL(str(so))
-    targets = (f"{build.TARGET}_{name}", f"{build.ATTENTION_TARGET}_{name}")
-    for target, symbol in zip(targets, ("SpecjaxPanelMatmul", "SpecjaxPagedAttention")):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    return targets
+    targets = []
+    for target, symbol in build._SYMBOLS.items():
+        targets.append(f"{target}_{name}")
+        jax.ffi.register_ffi_target(targets[-1], jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return tuple(targets)
 
 
 def main() -> None:

@@ -60,13 +60,14 @@ def cache_dir() -> Path:
     return Path(root) / "cpu_kernels"
 
 
-def _build(cxx: str, out: Path) -> None:
+def _build(cxx: str, out: Path, sources: tuple[Path, ...] = SOURCES) -> None:
+    """Compile ``sources`` (the kernels, or variants of them elsewhere that include ``common.h``) into ``out``."""
     include = jax.ffi.include_dir()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp]
+        cmd = [cxx, *FLAGS, f"-I{include}", f"-I{HERE}", *map(str, sources), "-o", tmp]
         logger.info("building the CPU kernels (once per machine): %s", " ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
