@@ -152,6 +152,25 @@ def test_a_kind_not_chosen_for_cost_max_age_steps_falls_back_to_its_scaled_warmu
         assert c.costs.estimate(1, K, False) == expected, max_age
 
 
+def test_an_expired_kind_measured_over_a_full_window_keeps_its_ratio_to_the_bucket_scale():
+    c = _controller({}, cost_max_age=16)
+    for k in range(K + 1):  # warmup: K=k costs 1 + 0.5 k, the target alone 1.0
+        c.costs.observe((1, k, False, False), 1.0 + 0.5 * k, warmup=True)
+    c.costs.observe((1, 0, True, False), 1.0, warmup=True)
+    for _ in range(8):  # a full window: real K=2 steps cost 1.5x their warmup time, the target alone 2x
+        c.costs.observe((1, 2, False, False), 3.0)
+        c.costs.observe((1, 0, True, False), 2.0)
+    assert c.costs.estimate(1, 2, False) == 3.0  # (plans read the costs while K=2 is chosen)
+    for _ in range(16):  # detached for a while: K=2 expires; the target alone slows down by a fifth
+        c.costs.observe((1, 0, True, False), 2.4)
+    # K=2's real / warmup ratio was 0.75 of the target alone's: kept, at the bucket's scale now (2.4)
+    assert c.costs.estimate(1, 2, False) == pytest.approx(2.0 * 2.4 * 0.75)
+    assert c.costs.age((1, 2, False, False)) == np.inf  # (expired)
+    assert c.costs.estimate(1, 3, False) == pytest.approx(2.5 * 2.4)  # never measured: the bucket's scale
+    c.costs.observe((1, 2, False, False), 3.3)  # measured again: its real time
+    assert c.costs.estimate(1, 2, False) == 3.3
+
+
 def test_a_neighbouring_k_not_measured_in_real_steps_is_tried_once_per_cost_max_age():
     c = _controller({}, cost_max_age=8)
     for k in range(K + 1):  # warmup only: K=4 looks best (every draft accepted, costs nearly flat)
@@ -245,7 +264,7 @@ def test_a_plan_without_drafts_is_held_and_probes_still_fall_due_on_time():
     for replan_every in (0, 4):
         c = _controller(costs, probe_every=5, replan_every=replan_every)
         _teach(c, "a", 0.05)
-        runs[replan_every] = (*_run_steps(c, 20), int(c.k_histogram.sum()))
+        runs[replan_every] = (*_run_steps(c, 20), sum(c.k_histogram))
     every, plans_every, _ = runs[0]
     held, plans_held, counted = runs[4]
     assert [i for i, k in enumerate(every) if k] == [5, 16]  # probes after 5 idle steps, then after 10
@@ -609,7 +628,7 @@ def test_a_drafting_plan_is_held_for_draft_replan_every_steps_and_its_undrafted_
     assert d.caps[1] == 0
     probe = _decide(c, 2, ["a", "b"], [False, False], [K, K], [True, True])
     assert probe.caps[1] == 1 and probe.hold == 0  # ... and a plan that probes is not held
-    assert c.k_histogram.sum() == 1 + 3 + 1 + 1  # three plans and the three held steps between
+    assert sum(c.k_histogram) == 1 + 3 + 1 + 1  # three plans and the three held steps between
     every = _controller(costs, probe_every=5, draft_replan_every=1)
     _teach(every, "a", 0.9)
     assert _decide(every, 2, ["a"], [False], [K], [True]).hold == 0

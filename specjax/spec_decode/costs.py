@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
+
+
+RELATION_MIN_STEPS = 8
+"""Real measurements of a kind that its relation to the other kinds needs (see :class:`CostModel`)."""
+
+
+def _median(values) -> float:
+    """The median of a few numbers (statistics.median's checks cost more than the sort here)."""
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 def _more_work(a: tuple[int, bool], b: tuple[int, bool]) -> bool:
@@ -22,7 +32,17 @@ class CostModel:
     all-padding rows, which do not cost what real rows cost (they all read one KV block; measured 1.6x faster
     at 32 rows, slower at 1); a kind not yet seen in real steps costs its warmup time scaled by the real /
     warmup ratio of the kinds of its bucket that were (else a kind the controller keeps choosing would be
-    compared in real time against the others in warmup time)."""
+    compared in real time against the others in warmup time).
+
+    Measurements of a kind not chosen for ``max_age`` real steps of its bucket expire, so a kind measured in a
+    slow moment is tried again. Its estimate is then its warmup time x the bucket's scale x the relation its
+    real / warmup ratio had to the median of the bucket's other measured kinds' when last read while it was
+    chosen, with ``RELATION_MIN_STEPS`` measurements or more in its window (none: 1; fewer may be one slow
+    moment). Warmup's all-padding steps time kinds unevenly, and the bucket's scale then comes from the kinds
+    still chosen: shipped pair, eagle3 at batch 1 T 0.8, after a long detached stretch the drafting K = 2 fell
+    back to 6.4 ms, 2.5x the target alone, where the fixed K = 2 system's steps implied ~5 ms. (Scaling plain
+    and drafting kinds apart, tried before, estimated the target alone from the attached plain step's ratio
+    where it was measured itself; see benchmarks/README.md.)"""
 
     def __init__(self, window: int, max_age: int = 0):
         self.window = window
@@ -39,6 +59,8 @@ class CostModel:
         self._clock: dict[tuple, int] = {}  # (rows, sampled) -> real steps measured in that bucket
         self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement (kept after
         # its measurements expire: the kinds ever measured in a real step, or set)
+        self._relative: dict[tuple, float] = {}  # kind -> its real / warmup ratio over its bucket's other kinds'
+        # (median), as last read with a full window
 
     def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
         """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup.
@@ -79,24 +101,31 @@ class CostModel:
         while self._dirty:
             bucket, changed = self._dirty.popitem()
             for key, warmup in changed:
-                self._median[key, warmup] = statistics.median((self._warm if warmup else self._real)[key])
-            self._refresh(bucket)
+                self._median[key, warmup] = _median((self._warm if warmup else self._real)[key])
+            self._refresh(bucket, {key for key, warmup in changed if not warmup})
 
-    def _refresh(self, bucket: tuple) -> None:
+    def _refresh(self, bucket: tuple, measured: set = frozenset()) -> None:
         """Recompute the costs of ``bucket`` = (rows, sampled), then their cap: a suffix minimum in work order
-        (detached K=0, then attached K=0, 1, ...)."""
+        (detached K=0, then attached K=0, 1, ...). ``measured``: its kinds with new real measurements."""
         kinds = self._kinds[bucket]
+        med = self._median
         if self.max_age and not self.frozen:
             clock = self._clock.get(bucket, 0)
             for kk in kinds:
                 if kk in self._real and kk in self._warm and clock - self._stamp[kk] >= self.max_age:
-                    del self._real[kk]  # stale: its scaled warmup time stands in until it is chosen again
-        med = self._median
+                    # Stale: its scaled warmup time stands in until it is chosen again (with its last relation).
+                    del self._real[kk]
         real = {kk: med[kk, False] for kk in kinds if kk in self._real}
-        ratios = [real[kk] / med[kk, True] for kk in real if kk in self._warm]
-        scale = statistics.median(ratios) if ratios else 1.0
+        ratios = {kk: real[kk] / med[kk, True] for kk in real if kk in self._warm}
+        scale = _median(ratios.values()) if ratios else 1.0
+        for kk in measured & ratios.keys():
+            # Its relation to the bucket's other measured kinds, while it is chosen and enough measurements back
+            # it (fewer may be one slow moment).
+            others = [r for k2, r in ratios.items() if k2 != kk]
+            if others and len(self._real[kk]) >= min(self.window, RELATION_MIN_STEPS):
+                self._relative[kk] = ratios[kk] / _median(others)
         for kk in kinds:
-            self._seconds[kk] = real[kk] if kk in real else med[kk, True] * scale
+            self._seconds[kk] = real[kk] if kk in real else med[kk, True] * scale * self._relative.get(kk, 1.0)
         low = math.inf
         for kk in sorted(kinds, key=lambda kk: (not kk[2], kk[1]), reverse=True):
             low = min(low, self._seconds[kk])
