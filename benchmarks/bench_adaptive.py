@@ -109,7 +109,7 @@ def controller_state(llm, batch: int, sampled: bool) -> dict:
         costs["detached"] = round(c.costs.estimate(rows, 0, True, sampled) * 1e3, 3)
     s = c.method_stats[sampled]
     return {"cost_ms": costs, "method_acceptance": [round(a / t, 3) if t else None for a, t in zip(s.accepted, s.tried)],
-            "method_tried": s.tried.astype(int).tolist()}
+            "method_tried": [int(t) for t in s.tried]}
 
 
 def main() -> None:

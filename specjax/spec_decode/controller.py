@@ -49,7 +49,9 @@ a request whose drafts keep failing costs ever fewer probe steps.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import operator
 
 import numpy as np
 
@@ -66,8 +68,10 @@ class ControllerConfig:
     """Per-position conditional acceptance assumed before any draft of the method was verified."""
     min_gain: float = 0.02
     """A row drafts position j only while it adds at least this many expected tokens."""
-    cost_window: int = 8
-    """A step kind's cost is the median of its last this-many measurements."""
+    cost_window: int = 32
+    """A step kind's cost is the median of its last this-many measurements. (With 8, ngram at batch 1 on the
+    shipped target, where steps of K = 0..4 cost within ~5% of each other, read K = 4 1.26x dearer than K =
+    3 and drafted K = 3 in a third of its drafting steps; fixed K = 4 ran 5-8% faster.)"""
     cost_max_age: int = 64
     """Real measurements of a step kind not chosen in this many real steps of its bucket are forgotten (0 =
     never): the kind falls back to its warmup time scaled like the others, so a kind measured once in a slow
@@ -131,19 +135,25 @@ class ControllerConfig:
 
 
 class AcceptanceStats:
-    """Per-position counts: drafts verified at position i (``tried``) and accepted there (``accepted``)."""
+    """Per-position counts: drafts verified at position i (``tried``) and accepted there (``accepted``).
+
+    Python lists, as is the controller's arithmetic on them: it runs between steps on a few rows, where each
+    numpy call costs microseconds (several times its microbenchmark right after a step has streamed the
+    weights through the caches) and a plan made ~15 of them."""
 
     def __init__(self, k_max: int):
-        self.tried = np.zeros(k_max, np.float64)
-        self.accepted = np.zeros(k_max, np.float64)
+        self.tried = [0] * k_max
+        self.accepted = [0] * k_max
         self.version = 0
         """Counts the observations (a cache key for values derived from the counts)."""
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """One verification: positions 1..min(num_accepted + 1, num_drafts) were reached."""
-        reached = min(num_accepted + 1, num_drafts)
-        self.tried[:reached] += 1
-        self.accepted[:num_accepted] += 1
+        tried, accepted = self.tried, self.accepted
+        for i in range(min(num_accepted + 1, num_drafts)):
+            tried[i] += 1
+        for i in range(num_accepted):
+            accepted[i] += 1
         self.version += 1
 
 
@@ -152,18 +162,18 @@ class RowCaps:
     """Per row of a decoding step: how far its drafts are worth verifying (before any drafts are looked up)."""
 
     request_ids: list[str]
-    reach: np.ndarray
-    """float64 [R, K_max]: estimated P(draft j accepted), the expected gain of drafting position j."""
-    caps: np.ndarray
-    """int64 [R]: drafts worth verifying (a probe counts one), within the row's limit."""
-    probing: np.ndarray
-    """bool [R]: the row drafts only to re-test its estimate."""
+    reach: list[list[float]]
+    """[R][K_max]: estimated P(draft j accepted), the expected gain of drafting position j."""
+    caps: list[int]
+    """[R]: drafts worth verifying (a probe counts one), within the row's limit."""
+    probing: list[bool]
+    """[R]: the row drafts only to re-test its estimate."""
     sampled: bool
     """Some row samples (its step kinds' costs are the sampled ones)."""
     until_probe: int
     """Decoding steps until the next of these rows falls due a probe (a large number when none will)."""
-    remaining: np.ndarray | None = None
-    """int64 [R]: tokens each row may still generate, given when no request waits to take a finished row's
+    remaining: list[int] | None = None
+    """[R]: tokens each row may still generate, given when no request waits to take a finished row's
     place (the batch is draining): a step is then worth how much it shortens the drain, not its tokens."""
 
 
@@ -190,7 +200,6 @@ class SpeculationController:
 
     def __init__(self, k_max: int, config: ControllerConfig, *, can_detach: bool):
         self.k_max = k_max
-        self._positions = np.arange(1, k_max + 1)  # [K_max]: draft positions 1..K_max
         self.config = config
         self.can_detach = can_detach
         self.costs = CostModel(config.cost_window, config.cost_max_age)
@@ -206,28 +215,46 @@ class SpeculationController:
         self.lookup_hit_rate = 1.0
         """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that drafted or
         would have had it found them all."""
-        self.k_histogram = np.zeros(k_max + 1, np.int64)
+        self.k_histogram = [0] * (k_max + 1)
         self.num_detached_steps = 0
         self.num_detached_prefills = 0
-        self._optimistic: dict[bool, tuple[tuple[int, float], np.ndarray]] = {}  # sampled -> (key, reach)
+        self._optimistic: dict[bool, tuple[tuple[int, float], list[float]]] = {}  # sampled -> (key, reach)
+        self._priors: dict[bool, tuple[int, list[float], list[float]]] = {}  # sampled -> (version, prior, reach)
         self._detached_prefill_votes = 0  # prefill decisions that chose detached (see ``explore_every``)
 
     # ------------------------------------------------------------------ estimates
 
-    def _prior(self, sampled: bool) -> np.ndarray:
+    def _prior(self, sampled: bool) -> tuple[list[float], list[float]]:
+        """([K_max] the method's conditional acceptance per position, [K_max] its running product), cached per
+        observation."""
         s = self.method_stats[sampled]
-        init = self.config.initial_acceptance
-        m = self.config.prior_strength
-        return (s.accepted + m * init) / (s.tried + m)  # [K_max]
+        cached = self._priors.get(sampled)
+        if cached is None or cached[0] != s.version:
+            init, m = self.config.initial_acceptance, self.config.prior_strength
+            prior = [(a + m * init) / (t + m) for a, t in zip(s.accepted, s.tried)]
+            cached = self._priors[sampled] = (s.version, prior, list(itertools.accumulate(prior, operator.mul)))
+        return cached[1], cached[2]
+
+    def _reach(self, request_id: str, sampled: bool) -> list[float]:
+        """[K_max]: the request's estimated P(draft j accepted) (a product of its conditional acceptances)."""
+        prior, reach = self._prior(sampled)
+        s = self._request_stats.get(request_id)
+        if s is None:
+            return reach
+        m, r, out = self.config.prior_strength, 1.0, []
+        for a, t, p in zip(s.accepted, s.tried, prior):
+            r *= (a + m * p) / (t + m)
+            out.append(r)
+        return out
 
     def conditional_acceptance(self, request_id: str, sampled: bool) -> np.ndarray:
         """float64 [K_max]: the request's estimated P(accept draft i | drafts before it accepted)."""
-        prior = self._prior(sampled)
+        prior = self._prior(sampled)[0]
         s = self._request_stats.get(request_id)
         if s is None:
-            return prior
+            return np.asarray(prior)
         m = self.config.prior_strength
-        return (s.accepted + m * prior) / (s.tried + m)
+        return np.asarray([(a + m * p) / (t + m) for a, t, p in zip(s.accepted, s.tried, prior)])
 
     @staticmethod
     def expected_accepted(alpha: np.ndarray) -> np.ndarray:
@@ -255,37 +282,33 @@ class SpeculationController:
         ``limits`` int [R]: the most drafts each row can commit (max_tokens / max_model_len); ``can_draft``
         bool [R]: the row's proposer state is current; ``remaining`` int [R]: see :attr:`RowCaps.remaining`.
         """
-        # Runs every decoding step: few numpy calls, as each costs microseconds at these sizes.
-        cfg, m = self.config, self.config.prior_strength
+        # Plain Python per row: this runs every plan, right after a step (see AcceptanceStats).
+        cfg = self.config
         if self._held_steps:  # steps run on a held decision: its rows without drafts were idle
             for rid in self._held_idle:
                 if rid in self._idle_steps:  # (a request that finished during the hold is gone)
                     self._idle_steps[rid] += self._held_steps
             self._held_steps = 0
-        priors = {smp: self._prior(smp) for smp in {bool(x) for x in sampled}}
-        stats = [self._request_stats.get(rid) for rid in request_ids]
-        none = np.zeros(self.k_max)
-        accepted = np.array([none if st is None else st.accepted for st in stats])  # [R, K_max]
-        tried = np.array([none if st is None else st.tried for st in stats])  # [R, K_max]
-        prior = np.array([priors[bool(smp)] for smp in sampled])  # [R, K_max]
-        reach = np.cumprod((accepted + m * prior) / (tried + m), axis=1)  # [R, K_max], non-increasing
-        useful = (reach >= cfg.min_gain).sum(axis=1)  # [R]: positions worth drafting
-        limits = np.minimum(np.asarray(limits, np.int64), self.k_max) * np.asarray(can_draft, bool)
-        if cfg.probe_every:
-            idle = np.array([self._idle_steps.get(rid, 0) for rid in request_ids])
-            wait = np.array([self._probe_wait.get(rid, cfg.probe_every) for rid in request_ids])
-            probing = (limits > 0) & (idle >= wait)
-            # Rows due already that do not probe in this step found no draft to probe with: they try again
-            # when a plan is next made.
-            ahead = (wait - idle)[(limits > 0) & (idle < wait)]
-            until_probe = int(ahead.min()) if ahead.size else 1 << 30
-        else:
-            probing = np.zeros(len(request_ids), bool)
-            until_probe = 1 << 30
-        caps = np.minimum(np.maximum(useful, probing), limits)
+        reach, caps, probing, until_probe = [], [], [], 1 << 30
+        for rid, smp, limit, can in zip(request_ids, sampled, np.asarray(limits).tolist(),
+                                        np.asarray(can_draft).tolist()):
+            row = self._reach(rid, bool(smp))  # non-increasing
+            useful = sum(1 for x in row if x >= cfg.min_gain)  # positions worth drafting
+            limit = min(limit, self.k_max) if can else 0
+            probe = False
+            if cfg.probe_every and limit > 0:
+                ahead = self._probe_wait.get(rid, cfg.probe_every) - self._idle_steps.get(rid, 0)
+                # A row due already that does not probe in this step found no draft to probe with: it tries
+                # again when a plan is next made.
+                probe = ahead <= 0
+                if not probe:
+                    until_probe = min(until_probe, ahead)
+            reach.append(row)
+            caps.append(min(max(useful, int(probe)), limit))
+            probing.append(probe)
         return RowCaps(request_ids=list(request_ids), reach=reach, caps=caps, probing=probing,
                        sampled=any(sampled), until_probe=until_probe,
-                       remaining=None if remaining is None else np.asarray(remaining, np.int64))
+                       remaining=None if remaining is None else np.asarray(remaining).tolist())
 
     def decide(self, rows: int, plan: RowCaps, found: np.ndarray | None = None,
                can_draft: np.ndarray | None = None) -> Decision:
@@ -295,7 +318,7 @@ class SpeculationController:
         ``can_draft`` bool [R]: the rows' proposer state is current (default: all).
         """
         cfg = self.config
-        cap_row = plan.caps if found is None else np.minimum(plan.caps, np.asarray(found, np.int64))
+        cap_row = plan.caps if found is None else [min(c, f) for c, f in zip(plan.caps, np.asarray(found).tolist())]
         gains = self._gains(plan.reach, cap_row, plan.remaining)
         n = len(plan.request_ids)
         # Rows' tokens per step; draining, the last row's (its bonus token and what the drafts take off the drain).
@@ -306,7 +329,7 @@ class SpeculationController:
         drafting = pays or learn_k > 0
         draft_k = learn_k or draft_k
         detached = measure = False
-        probes = (plan.probing & (cap_row > 0)).any()
+        probes = any(p and c > 0 for p, c in zip(plan.probing, cap_row))
         if not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate):
             self._detach_votes += 1
             stale = can_draft is not None and not np.any(can_draft)
@@ -327,7 +350,7 @@ class SpeculationController:
             k = self._explore(rows, draft_k, cap_row, plan.sampled) if drafting else 0
         if k == 0 and not detached and probes:
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
-        caps = np.minimum(cap_row, k).astype(np.int32)
+        caps = [min(c, k) for c in cap_row]
         for rid, c, probe in zip(plan.request_ids, caps, plan.probing):
             if c:
                 self._idle_steps[rid] = 0
@@ -339,19 +362,21 @@ class SpeculationController:
         hold, held = 0, None
         # One row's host lookup: a held plan is what a hit would make; its held steps verify what each lookup
         # finds, up to the caps, or run plain, as new plans would (not while probing or learning).
-        one_lookup = found is not None and n == 1 and not plan.probing.any() and not self.learning(plan.sampled)
+        one_lookup = found is not None and n == 1 and not any(plan.probing) and not self.learning(plan.sampled)
         if found is not None and k:  # the lookup found drafts worth verifying: a hit
             self.lookup_hit_rate += (1.0 - self.lookup_hit_rate) / 16
+        # The lookup found every draft asked for: this decision is the one a hit makes (no need to work it out).
+        found_all = found is not None and cap_row == plan.caps
         same_rows = plan.request_ids == self._held_ids
         self._held_ids, self._held_plans = plan.request_ids, self._held_plans + 1 if same_rows else 0
         if k == 0 and not detached and not self._detach_votes:
             # Each plan in a row that keeps the same rows plain holds twice as long, up to 8x.
             limit = cfg.replan_every * (1 << min(self._held_plans, 3)) - 1
-            k_found = self._could_draft(rows, plan) if found is not None else 0
+            k_found = self._could_draft(rows, plan) if found is not None and not found_all else 0
             if k_found:
                 # Only the lookup's misses kept this step plain, and the next lookup may hit: skip lookups only
                 # for a method whose lookups seldom find drafts (their host time would not pay).
-                self.lookup_hit_rate += (float(cap_row.any()) - self.lookup_hit_rate) / 16
+                self.lookup_hit_rate += (float(any(cap_row)) - self.lookup_hit_rate) / 16
                 # (Held no longer than replan_every: a lookup that hits after the text turns repetitive drafts,
                 # and on a large model a hit is worth far more than a lookup costs: doubling these holds, SmolLM2
                 # ngram at batch 1 greedy drafted in 1% of steps, 1.01x plain, fixed K = 2 1.26x.)
@@ -368,16 +393,16 @@ class SpeculationController:
                 and not self._detach_votes):
             hold = max(0, min(cfg.draft_replan_every - 1, plan.until_probe - 1))
             if found is not None:  # caps as if the lookup had found every draft asked for (not only this one's)
-                k_found = self._could_draft(rows, plan) or k
+                k_found = k if found_all else self._could_draft(rows, plan) or k
                 held = self._hit_plan(plan, k_found)
         held_caps = caps if held is None else held[1]
         self._held_idle = [rid for rid, c in zip(plan.request_ids, held_caps) if not c] if hold else []
-        return Decision(k=k, caps=caps, detached=detached, hold=hold, held=held)
+        return Decision(k=k, caps=np.array(caps, np.int32), detached=detached, hold=hold, held=held)
 
     @staticmethod
     def _hit_plan(plan: RowCaps, k: int) -> tuple[int, np.ndarray]:
         """(K, int32 caps [R]): the plan of K drafts had a host lookup found every draft the rows ask for."""
-        return k, np.minimum(plan.caps, k).astype(np.int32)
+        return k, np.array([min(c, k) for c in plan.caps], np.int32)
 
     def _could_draft(self, rows: int, plan: RowCaps) -> int:
         """The K a step would draft at if a host lookup found every draft the rows' estimates ask for, else 0.
@@ -405,11 +430,11 @@ class SpeculationController:
         (shipped pair at batch 8, sampled: the target alone ran 1.8x its warmup time, drafting steps 1.4-1.65x,
         so drafting looked 20% dearer than it was; new requests were prefilled detached and never drafted,
         while fixed K = 2 ran 1.1-1.3x plain). A kind whose real measurements expired (``cost_max_age``)
-        counts as measured, though its estimate is scaled warmup time again: a known gap (scaling plain and
-        drafting kinds apart was tried, see benchmarks/README.md)."""
+        counts as measured: its estimate keeps its last relation to the bucket's other kinds (see
+        :class:`~specjax.spec_decode.costs.CostModel`)."""
         return k > 0 and not self.costs.seen((rows, k, False, sampled))
 
-    def _explore(self, rows: int, k: int, cap_row: np.ndarray, sampled: bool) -> int:
+    def _explore(self, rows: int, k: int, cap_row: list[int], sampled: bool) -> int:
         """``k``, or a neighbouring drafting K whose cost was not measured in a real step for ``cost_max_age``
         steps of the bucket (once per that many steps each): warmup's all-padding steps time each kind only
         roughly, and without real measurements of its neighbours the chosen K could never be found wrong. A
@@ -418,12 +443,12 @@ class SpeculationController:
         if max_age:
             for kk in (k + 1, k - 1):
                 if (1 <= kk <= self.k_max and self.costs.age((rows, kk, False, sampled)) >= max_age
-                        and (cap_row > min(k, kk)).any()):  # some row's cap differs at kk
+                        and any(c > min(k, kk) for c in cap_row)):  # some row's cap differs at kk
                     return kk
         return k
 
-    def _gains(self, reach: np.ndarray, cap_row: np.ndarray,
-               remaining: np.ndarray | None = None) -> np.ndarray:
+    def _gains(self, reach: list[list[float]], cap_row: list[int],
+               remaining: list[int] | None = None) -> list[float]:
         """Gains [K_max + 1] of a step of K drafts (each row drafting up to ``cap_row``): NaN where no row drafts,
         else the expected accepted drafts summed over rows, or with ``remaining`` (a draining batch) how many
         tokens they take off the drain beyond a plain step's one.
@@ -436,27 +461,33 @@ class SpeculationController:
         several similar rows is last is chance, and so the last row's own estimate is biased low (with it,
         draft_model at batch 8 ran 0.94-0.96x plain, against 0.975x counting tokens).
         """
-        if not cap_row.any():  # a row drafts at some K >= 1 exactly when its cap is > 0 (and a plain step gains 0)
-            return np.array([0.0] + [math.nan] * self.k_max)
-        # per_row[r, k]: row r's expected accepted drafts at K = k, sum_{j < min(k, cap_r)} reach[r, j].
-        per_row = np.zeros((reach.shape[0], self.k_max + 1))  # [R, K_max + 1]
-        np.cumsum(reach * (self._positions <= cap_row[:, None]), axis=1, out=per_row[:, 1:])
+        if not any(cap_row):  # a row drafts at some K >= 1 exactly when its cap is > 0 (and a plain step gains 0)
+            return [0.0] + [math.nan] * self.k_max
+        # Row r's expected accepted drafts at K = k: sum_{j < min(k, cap_r)} reach[r][j], summed over rows (or
+        # over the drafting rows, draining).
+        gains = [0.0] * (self.k_max + 1)
+        drafting = 0
+        for row, cap in zip(reach, cap_row):
+            if cap <= 0:
+                continue
+            drafting += 1
+            total = 0.0
+            for j in range(self.k_max):
+                if j < cap:
+                    total += row[j]
+                gains[j + 1] += total
         if remaining is None:
-            gains = per_row.sum(axis=0)  # [K_max + 1]
-        else:
-            drafting = cap_row > 0  # [R]
-            pooled = drafting @ per_row / max(1, int(drafting.sum()))  # [K_max + 1]
-            left = [(int(r), bool(d)) for r, d in zip(remaining.tolist(), drafting.tolist())]
-            last_drafting = max((r for r, d in left if d), default=-math.inf)
-            last_other = max((r for r, d in left if not d), default=-math.inf)
-            gains = max(last_drafting, last_other) - np.maximum(last_drafting - pooled, last_other)  # [K_max + 1]
-        return gains
+            return gains
+        last_drafting = max((r for r, c in zip(remaining, cap_row) if c > 0), default=-math.inf)
+        last_other = max((r for r, c in zip(remaining, cap_row) if c <= 0), default=-math.inf)
+        last = max(last_drafting, last_other)
+        return [last - max(last_drafting - g / drafting, last_other) for g in gains]
 
-    def _best_drafting(self, rows: int, n: float, gains: np.ndarray, sampled: bool) -> tuple[int, float]:
+    def _best_drafting(self, rows: int, n: float, gains: list[float], sampled: bool) -> tuple[int, float]:
         """The K >= 1 with the most expected tokens per second for ``n`` rows and that rate; (0, 0) when no
         row drafts."""
         best_k, best_rate = 0, 0.0
-        for k, gain in enumerate(gains.tolist()[1:], start=1):
+        for k, gain in enumerate(gains[1:], start=1):
             if math.isnan(gain):
                 continue
             rate = (n + gain) / self.costs.estimate(rows, k, False, sampled)
@@ -464,7 +495,7 @@ class SpeculationController:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
-    def _rates(self, rows: int, n: float, gains: np.ndarray, sampled: bool) -> tuple[int, float, float, float]:
+    def _rates(self, rows: int, n: float, gains: list[float], sampled: bool) -> tuple[int, float, float, float]:
         """(best drafting K, its tokens per second, tokens per second of an attached and of a detached step
         without drafts (0 where the proposer cannot detach))."""
         draft_k, draft_rate = self._best_drafting(rows, n, gains, sampled)
@@ -494,7 +525,8 @@ class SpeculationController:
                                                             scale=num_rows / n):
             return False
         gains = self._gains(plan.reach, plan.caps)
-        draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, num_rows, gains * (num_rows / n),
+        draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, num_rows,
+                                                                        [g * (num_rows / n) for g in gains],
                                                                         plan.sampled)
         if not (self._detach_wins(draft_rate, attached_rate, detached_rate)
                 and not self._unmeasured(rows, draft_k, plan.sampled)):
@@ -511,32 +543,36 @@ class SpeculationController:
         """Too few of the method's drafts verified yet (``learn_drafts``) to trust its acceptance prior."""
         return self.method_stats[sampled].tried[0] < self.config.learn_drafts
 
-    def optimistic_reach(self, sampled: bool) -> np.ndarray:
-        """float64 [K_max]: P(draft j accepted) with each position's conditional acceptance at the Wilson upper
-        bound (``learn_z``) of the method's verified drafts there (1 where none was verified)."""
+    def optimistic_reach(self, sampled: bool) -> list[float]:
+        """[K_max]: P(draft j accepted) with each position's conditional acceptance at the Wilson upper bound
+        (``learn_z``) of the method's verified drafts there (1 where none was verified)."""
         s, z = self.method_stats[sampled], self.config.learn_z
         key = (s.version, z)
         cached = self._optimistic.get(sampled)
-        if cached is not None and cached[0] == key:  # (a plan asks up to twice; ~50 us each in situ)
+        if cached is not None and cached[0] == key:  # (a plan asks up to twice)
             return cached[1]
-        n = np.maximum(s.tried, 1.0)
-        p = s.accepted / n
-        upper = (p + z * z / (2 * n) + z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
-        reach = np.cumprod(np.where(s.tried > 0, np.minimum(upper, 1.0), 1.0))
-        reach.flags.writeable = False
+        upper = []
+        for a, t in zip(s.accepted, s.tried):
+            if not t:
+                upper.append(1.0)
+                continue
+            p = a / t
+            bound = (p + z * z / (2 * t) + z * math.sqrt(p * (1 - p) / t + z * z / (4 * t * t))) / (1 + z * z / t)
+            upper.append(min(bound, 1.0))
+        reach = list(itertools.accumulate(upper, operator.mul))
         self._optimistic[sampled] = (key, reach)
         return reach
 
-    def _learning_k(self, rows: int, n: float, caps: np.ndarray, sampled: bool, scale: float = 1.0) -> int:
+    def _learning_k(self, rows: int, n: float, caps: list[int], sampled: bool, scale: float = 1.0) -> int:
         """While learning: the K with the most tokens per second if the acceptance were at its optimistic bound
         (``gains * scale``: rows standing for ``n``), when that beats a step without drafts; else 0. Choosing
         K at the bound, not at the estimate, also teaches the deeper positions: at the estimate a new method
         settled on K = 2 and its positions 3-4 stayed at the prior (9 and 2 drafts verified there)."""
         if not self.learning(sampled):
             return 0
-        reach = np.broadcast_to(self.optimistic_reach(sampled), (len(caps), self.k_max))
-        gains = self._gains(reach, np.asarray(caps, np.int64))
-        k, rate = self._best_drafting(rows, n, gains * scale, sampled)
+        reach = self.optimistic_reach(sampled)
+        gains = self._gains([reach] * len(caps), caps)
+        k, rate = self._best_drafting(rows, n, [g * scale for g in gains], sampled)
         return k if rate > max(self._plain_rates(rows, n, sampled)) else 0
 
     def count_step(self, k: int, detached: bool) -> None:
@@ -546,9 +582,9 @@ class SpeculationController:
 
     def as_dict(self) -> dict:
         """Metrics: how often each K was chosen for a decoding step, and the share of plain ones."""
-        steps = int(self.k_histogram.sum())
+        steps = sum(self.k_histogram)
         return {
-            "k_histogram": self.k_histogram.tolist(),
+            "k_histogram": list(self.k_histogram),
             "plain_step_share": float(self.k_histogram[0] / steps) if steps else 0.0,
             "num_detached_steps": self.num_detached_steps,
             "num_detached_prefills": self.num_detached_prefills,
