@@ -499,13 +499,13 @@ class Engine:
         starts = np.asarray([r.start for r in rows], np.int64)
         num_new = np.asarray([r.num_new for r in rows], np.int64)
         decoding = num_new.max() == 1  # drafts are verified only when every row decodes (prefill steps are plain)
+        plan_start = time.perf_counter()
         if decoding and self.spec_stats is not None:
             k, num_drafts, host_drafts, detached = self._plan(rows, slots)
         else:
             self._held = 0
             k, num_drafts, host_drafts, detached = 0, np.zeros(n, np.int32), None, self._prefill_detached(rows)
-        # The controller's costs leave out the planning above: it is paid whichever kind the plan picks (a
-        # kind chosen mostly by full plans, not held ones, read ~0.3 ms dearer at batch 1 on the shipped target).
+        # The controller's step costs leave out the planning above, timed apart (see CostModel).
         run_start = time.perf_counter()
         cfg = self.config
         bucket = (bucket_for(n, cfg.row_buckets, "num_seqs"),
@@ -530,6 +530,8 @@ class Engine:
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
             self.controller.costs.observe((bucket[0], k, detached, sampled), time.perf_counter() - run_start)
+            if not detached:
+                self.controller.costs.observe_planning((bucket[0], sampled), run_start - plan_start)
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         return finished

@@ -361,6 +361,16 @@ def test_kinds_seen_only_at_warmup_scale_with_the_real_steps_of_their_bucket():
     assert c.costs.estimate(8, 1, False, True) == 1.25  # another bucket (sampled): nothing measured, a guess
 
 
+def test_planning_time_is_added_to_attached_kinds_only():
+    c = _controller({(1, 0, True): 1.0, (1, 0, False): 1.05, (1, 2, False): 1.1})
+    for seconds in (0.1, 0.3):  # a full plan, then a held one: the mean per attached step counts
+        c.costs.observe_planning((1, False), seconds)
+    assert c.costs.estimate(1, 0, True) == 1.0  # detached steps of stale rows plan nothing
+    assert c.costs.estimate(1, 0, False) == pytest.approx(1.25)
+    assert c.costs.estimate(1, 2, False) == pytest.approx(1.3)
+    assert c.costs.estimate(1, 2, False, True) == pytest.approx(1.1)  # sampled steps: none measured
+
+
 def test_a_kind_is_never_estimated_above_one_that_does_more_work():
     # Detached plain measured badly once (5.0) and never chosen again; attached K=0 and K=2 measured cheaper.
     c = _controller({(1, 0, True): 5.0, (1, 0, False): 2.0, (1, 1, False): 4.0, (1, 2, False): 3.0})

@@ -34,6 +34,12 @@ class CostModel:
     warmup ratio of the kinds of its bucket that were (else a kind the controller keeps choosing would be
     compared in real time against the others in warmup time).
 
+    A step's measurement leaves out the controller's planning before it, which is paid whichever kind the plan
+    picks (ngram at batch 1 on the shipped target read plain steps, mostly chosen by full plans, as dear as K =
+    4 steps, mostly held ones); the mean planning time per attached step is added to every attached kind's
+    estimate instead, as detached steps of stale rows skip planning (without it, draft_model at batch 8 on the
+    shipped pair stopped detaching).
+
     Measurements of a kind not chosen for ``max_age`` real steps of its bucket expire, so a kind measured in a
     slow moment is tried again. Its estimate is then its warmup time x the bucket's scale x the relation its
     real / warmup ratio had to the median of the bucket's other measured kinds' when last read while it was
@@ -59,6 +65,7 @@ class CostModel:
         self._clock: dict[tuple, int] = {}  # (rows, sampled) -> real steps measured in that bucket
         self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement (kept after
         # its measurements expire: the kinds ever measured in a real step, or set)
+        self._planning: dict[tuple, collections.deque] = {}  # (rows, sampled) -> planning seconds per step
         self._relative: dict[tuple, float] = {}  # kind -> its real / warmup ratio over its bucket's other kinds'
         # (median), as last read with a full window
 
@@ -144,9 +151,29 @@ class CostModel:
             return math.inf
         return self._clock.get((key[0], key[3]), 0) - self._stamp[key]
 
+    def observe_planning(self, bucket: tuple, seconds: float) -> None:
+        """The host time the controller's planning took before an attached decoding step of ``bucket`` = (rows,
+        sampled) (a full plan, or a held one's few lookups)."""
+        if self.frozen:
+            return
+        times = self._planning.get(bucket)
+        if times is None:
+            times = self._planning[bucket] = collections.deque(maxlen=self.window)
+        times.append(seconds)
+
+    def planning(self, rows: int, sampled: bool = False) -> float:
+        """Mean planning time per attached decoding step of the bucket (0 before any was measured)."""
+        times = self._planning.get((rows, sampled))
+        return sum(times) / len(times) if times else 0.0
+
     def estimate(self, rows: int, k: int, detached: bool, sampled: bool = False) -> float:
         """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
-        bucket that does more work."""
+        bucket that does more work; an attached kind's with the bucket's planning time per step added (see the
+        class docstring)."""
+        got = self._estimate(rows, k, detached, sampled)
+        return got if detached else got + self.planning(rows, sampled)
+
+    def _estimate(self, rows: int, k: int, detached: bool, sampled: bool) -> float:
         self._flush()
         got = self._capped.get((rows, k, detached, sampled))
         if got is not None:
