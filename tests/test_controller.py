@@ -217,6 +217,13 @@ def test_every_explore_every_th_detached_prefill_runs_attached_and_probes_before
     assert first.k == 1 and first.caps.tolist() == [1] and not first.detached
     c.observe("r3", False, 1, 0)
     assert _decide(c, 1, ["r3"], [False], [K], [True]).detached  # then it detaches, as the vote said
+    # At batch 8 (steps of 8 rows, here one request per prefill), one per 4 x 8 requests: a probe costs every row.
+    wide = _controller({(8, *key[1:]): v for key, v in costs.items()}, can_detach=True, detach_after=1,
+                       explore_every=4)
+    _teach(wide, "a", 0.1)
+    explored = [not wide.prefers_plain(8, wide.row_caps([f"w{i}"], [False], np.asarray([K]), np.asarray([True])), 8)
+                for i in range(64)]
+    assert [i for i, e in enumerate(explored) if e] == [31, 63]
     never = _controller(costs, can_detach=True, detach_after=1, explore_every=0)
     _teach(never, "a", 0.1)
     assert all(prefill(never, f"r{i}") for i in range(20))
@@ -417,6 +424,23 @@ def test_learning_ends_early_when_even_optimistic_acceptance_cannot_pay():
     for i in range(16):
         cheap.observe("a", False, 1, 0)
     assert _decide(cheap, 1, ["a2"], [False], [K], [True]).k == 1
+
+
+def test_learning_does_not_end_on_a_drafting_cost_known_only_from_warmup():
+    c = _controller({}, cost_max_age=0)  # (no exploration of neighbouring K)
+    c.costs.observe((1, 0, False, False), 1.0)  # a real plain step
+    for k in range(K + 1):  # warmup: K = 1 looks 1.5x a plain step, more drafts 10x
+        c.costs.observe((1, k, False, False), (1.0, 1.5)[k] if k < 2 else 10.0, warmup=True)
+    for i in range(16):
+        c.observe("a", False, 1, 0)  # bound 0.2: drafting at 1.5x could not pay
+    assert _decide(c, 1, ["a2"], [False], [K], [True]).k == 1  # ... but K = 1 never ran: it runs once
+    c.costs.observe((1, 1, False, False), 1.05)  # and costs 1.05x: learning goes on
+    assert _decide(c, 1, ["a3"], [False], [K], [True]).k == 1
+    dear = _controller({(1, 0, False): 1.0, (1, 1, False): 1.5} | {(1, k, False): 10.0 for k in range(2, K + 1)},
+                       cost_max_age=0)  # K = 1 measured in a real step at 1.5x: learning ends
+    for i in range(16):
+        dear.observe("a", False, 1, 0)
+    assert _decide(dear, 1, ["a2"], [False], [K], [True]).k == 0
 
 
 def test_config_errors_name_the_field():

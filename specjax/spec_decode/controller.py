@@ -14,7 +14,7 @@ The controller picks, for a decoding step of ``R`` rows, one of
   it rest on a drafting cost known only from warmup: the vote first runs that
   K once. New requests are prefilled detached by the same rules
   (:meth:`SpeculationController.prefers_plain`): then the proposer never reads
-  their prompts; every ``explore_every``-th of them is prefilled attached and
+  their prompts; one per ``explore_every`` batches' worth of them is prefilled attached and
   probes one draft first (a due probe runs before a detach), so the method's
   estimate keeps seeing drafts and a low early estimate can recover.
 
@@ -23,7 +23,7 @@ It maximizes expected committed tokens per second,
 beats a step without drafts by ``min_speedup`` (1.1x) or while the method's
 first ``learn_drafts`` drafts teach it the acceptance (learning ends early once
 even an optimistic bound on the acceptance seen so far could not make drafting
-pay), where
+pay, and K = 1 has run in a real step), where
 ``E[accepted | c] = sum_{j<=c} prod_{i<=j} alpha_i`` with per-position
 conditional acceptance ``alpha_i`` estimated per request (a Beta-style mean with
 the method's running average as prior, kept apart for greedy and sampled
@@ -97,7 +97,8 @@ class ControllerConfig:
     twice as many for each such decision in a row that held for the same rows (up to 8x; not where only a host
     lookup's misses kept the step plain, see below): without drafts
     nothing it rests on changes but the step costs, which move slowly, and planning is host work that a step
-    kept plain pays over plain decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target). It ends sooner
+    kept plain pays over plain decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target with numpy
+    arithmetic; the controller's part ~0.15 ms at batch 1 in plain Python). It ends sooner
     where a probe falls due, while detaching is being voted on, and when the rows change; where only a host
     lookup's misses kept the step from drafting, only while such lookups seldom hit (``min_lookup_hits``)."""
     draft_replan_every: int = 4
@@ -106,12 +107,14 @@ class ControllerConfig:
     detaching is being voted on, or the drafts of several rows come from a host lookup (what a lookup finds
     changes every step, and so does whether verifying it pays: ngram at batch 8 held such plans at 0.89x plain;
     one row's held step verifies what its lookup finds, up to the cap, or runs plain, as a new plan would):
-    planning costs 0.3-0.4 ms of host work (cold caches after a step: numpy calls cost several times their
-    microbenchmark), 5-13% of a drafting step on the shipped target, and a row's estimate moves little in a
-    few steps."""
+    planning is host work (0.3-0.4 ms with numpy arithmetic, 5-13% of a drafting step on the shipped target:
+    cold caches after a step make numpy calls cost several times their microbenchmark; less in plain Python),
+    and a row's estimate moves little in a few steps."""
     explore_every: int = 16
-    """Of the new requests whose prefill the controller would run detached, every this-many-th is prefilled
-    attached instead and probes one draft in its first decoding step (0 = never). Detached requests never
+    """Of the new requests whose prefill the controller would run detached, one per this many batches' worth
+    (this many at batch 1, x 32 at batch 32) is prefilled attached instead and probes one draft in its first
+    decoding step (0 = never). At a larger batch every row's steps run attached until the vote detaches again
+    (eagle3 at batch 32 with one per 16 requests: 0.95x plain against 0.99x without). Detached requests never
     draft, so once new requests are prefilled detached the method's estimate sees no more drafts: without this,
     a low early estimate (eagle3 on the shipped pair at batch 1, T 0.8, stopped drafting after its first 39
     sampled drafts and never drafted again, 0.90x plain, where fixed K = 2 ran 1.04x) would stand for good."""
@@ -220,7 +223,7 @@ class SpeculationController:
         self.num_detached_prefills = 0
         self._optimistic: dict[bool, tuple[tuple[int, float], list[float]]] = {}  # sampled -> (key, reach)
         self._priors: dict[bool, tuple[int, list[float], list[float]]] = {}  # sampled -> (version, prior, reach)
-        self._detached_prefill_votes = 0  # prefill decisions that chose detached (see ``explore_every``)
+        self._detached_prefill_votes = 0  # requests whose prefill the controller chose detached (see explore_every)
 
     # ------------------------------------------------------------------ estimates
 
@@ -531,9 +534,12 @@ class SpeculationController:
         if not (self._detach_wins(draft_rate, attached_rate, detached_rate)
                 and not self._unmeasured(rows, draft_k, plan.sampled)):
             return False
-        self._detached_prefill_votes += 1
-        explore = self.config.explore_every
-        if explore and self._detached_prefill_votes % explore == 0:
+        # Exploring costs the whole batch (its steps run attached until the vote detaches again): once per
+        # explore_every batches' worth of requests.
+        period = self.config.explore_every * max(1, num_rows)
+        before = self._detached_prefill_votes
+        self._detached_prefill_votes += n
+        if period and self._detached_prefill_votes // period > before // period:
             for rid in plan.request_ids:  # a probe is due at their first decoding step (see row_caps)
                 self._idle_steps[rid] = 1 << 30
             return False
@@ -573,7 +579,12 @@ class SpeculationController:
         reach = self.optimistic_reach(sampled)
         gains = self._gains([reach] * len(caps), caps)
         k, rate = self._best_drafting(rows, n, [g * scale for g in gains], sampled)
-        return k if rate > max(self._plain_rates(rows, n, sampled)) else 0
+        if rate > max(self._plain_rates(rows, n, sampled)):
+            return k
+        # Learning would end on cost: not before K = 1, the cheapest drafting step, ran in a real step of the
+        # bucket (warmup timed it on all-padding rows; ngram at batch 1, T 0.8 ended learning after its first 7
+        # sampled drafts, all at K = 4, with K = 1 estimated 1.39x a plain step, while fixed K = 1 ran 1.08x plain).
+        return 1 if k and self._unmeasured(rows, 1, sampled) else 0
 
     def count_step(self, k: int, detached: bool) -> None:
         """Count a decoding step's K (also for steps planned without :meth:`decide`)."""
