@@ -11,7 +11,8 @@ exactly as fast as plain decoding reads in this run (on this 2-core machine a se
 built and compiled first (``warmup=True``, which also times each step kind for the controller); one untimed run
 per system and load, then ``--reps`` rounds (``--batch1-reps`` at batch 1). Reported: tokens/s (median),
 speed-up over plain (the median over rounds of each round's ratio), and for adaptive its chosen-K histogram and
-shares of drafting and of detached steps. Greedy outputs are checked equal to plain decoding's.
+shares of drafting and of detached steps; with the control, also the adaptive system against both plain LLMs
+(the median over rounds of the round's mean of their two times over its own). Greedy outputs are checked equal to plain decoding's.
 
     python benchmarks/bench_adaptive.py --out benchmarks/results/adaptive.json
 
@@ -200,6 +201,9 @@ def main() -> None:
                     # seconds apart, and the machine's speed moves more between rounds than within one.
                     entry["speedup"] = statistics.median(
                         p / t for p, t in zip(row["systems"]["plain"]["times"], entry["times"]))
+                for name, entry in row["systems"].items():
+                    if name not in ("plain", "control") and "control" in row["systems"]:
+                        entry["speedup_vs_both"] = speedup_vs_both(row["systems"], name)
                 static = {n: e["speedup"] for n, e in row["systems"].items() if n.startswith("K=")}
                 best = max(static, key=static.get)
                 row["best_static"] = best
@@ -219,14 +223,23 @@ def main() -> None:
     print(tables(out))
 
 
+def speedup_vs_both(systems: dict, name: str) -> float:
+    """System ``name``'s speed-up over both plain LLMs: the median over rounds of the mean of plain's and the
+    control's times over its own (half the reference's noise)."""
+    both = [(p + c) / 2 for p, c in zip(systems["plain"]["times"], systems["control"]["times"])]
+    return statistics.median(b / t for b, t in zip(both, systems[name]["times"]))
+
+
 def tables(d: dict) -> str:
-    lines = ["| method | batch | T | plain tok/s | control | adaptive | best static K | adaptive / best static | "
-             "adaptive spec-step share | adaptive detached-step share |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | T | plain tok/s | control | adaptive | adaptive vs plain & control | best static K | "
+             "adaptive / best static | adaptive spec-step share | adaptive detached-step share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["results"]:
         s = r["systems"]
         control = f"{s['control']['speedup']:.2f}x" if "control" in s else "-"
+        both = f"{speedup_vs_both(s, 'adaptive'):.2f}x" if "control" in s else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {s['plain']['tok_s']:.0f} | {control} | "
-                     f"{s['adaptive']['speedup']:.2f}x | {r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
+                     f"{s['adaptive']['speedup']:.2f}x | {both} | {r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
                      f"{r['adaptive_vs_best_static']:.2f} | {s['adaptive']['spec_step_share']:.2f} | "
                      f"{s['adaptive'].get('detached_step_share', float('nan')):.2f} |")
     return "\n".join(lines)
