@@ -48,6 +48,44 @@ VARIANTS = {  # name -> [(source file, its text, replacement)]
     "nta_prefetch_8k": [("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 8192;")],
     "tasks_of_16_panels": [("panel_matmul.cc", "constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;",
                             "constexpr int64_t kChunk = 16;")],
+    # x transposed to [K, M] once per call, so a tile's rows at step k are adjacent (one stream, not M).
+    "x_transposed": [
+        ("panel_matmul.cc", "int64_t m0, int64_t n0) {\n  fvec acc[MR][kVecs] = {};",
+         "int64_t m0, int64_t n0, int64_t M) {\n  fvec acc[MR][kVecs] = {};"),
+        ("panel_matmul.cc", "const float xs = x[(m0 + m) * K + k];", "const float xs = x[k * M + m0 + m];"),
+        ("panel_matmul.cc", "                   int64_t n0) {", "                   int64_t n0, int64_t M) {"),
+        ("panel_matmul.cc", "return Tile<MR>(x, panel, y, K, N, m0, n0);", "return Tile<MR>(x, panel, y, K, N, m0, n0, M);"),
+        ("panel_matmul.cc", "TileIf<MR - 1>(rows, x, panel, y, K, N, m0, n0);",
+         "TileIf<MR - 1>(rows, x, panel, y, K, N, m0, n0, M);"),
+        ("panel_matmul.cc", "Tile<kRowGroup>(x, panel, y, K, N, m0, p * kPanel);",
+         "Tile<kRowGroup>(x, panel, y, K, N, m0, p * kPanel, M);"),
+        ("panel_matmul.cc", "TileIf<kRowGroup - 1>(M - m0, x, panel, y, K, N, m0, p * kPanel);",
+         "TileIf<kRowGroup - 1>(M - m0, x, panel, y, K, N, m0, p * kPanel, M);"),
+        ("panel_matmul.cc", "  int64_t chunks = (panels + kChunk - 1) / kChunk;",
+         "  std::unique_ptr<float[]> xt;\n"
+         "  if (M > 1) {\n"
+         "    xt.reset(new float[M * K]);\n"
+         "    for (int64_t m = 0; m < M; ++m)\n"
+         "      for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x[m * K + k];\n"
+         "    x = xt.get();\n"
+         "  }\n"
+         "  int64_t chunks = (panels + kChunk - 1) / kChunk;")],
+    # x regrouped once per call so that each tile's rows at step k are adjacent: row group m0 of R rows
+    # (kRowGroup, the last one fewer) becomes a [K, R] block at m0 * K (one stream per tile, not R).
+    "x_grouped": [
+        ("panel_matmul.cc", "const float xs = x[(m0 + m) * K + k];", "const float xs = x[m0 * K + k * MR + m];"),
+        ("panel_matmul.cc", "  int64_t chunks = (panels + kChunk - 1) / kChunk;",
+         "  std::unique_ptr<float[]> xt;\n"
+         "  if (M > 1) {\n"
+         "    xt.reset(new float[M * K]);\n"
+         "    for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {\n"
+         "      const int64_t R = M - m0 < kRowGroup ? M - m0 : kRowGroup;\n"
+         "      for (int64_t m = 0; m < R; ++m)\n"
+         "        for (int64_t k = 0; k < K; ++k) xt[m0 * K + k * R + m] = x[(m0 + m) * K + k];\n"
+         "    }\n"
+         "    x = xt.get();\n"
+         "  }\n"
+         "  int64_t chunks = (panels + kChunk - 1) / kChunk;")],
     # Attention: with fewer (row, kv head) tasks than twice the threads (batch 1: 3 kv heads on 2 threads),
     # split the query tokens evenly over one task each, so a verify's tokens spread over the threads.
     "attention_token_tasks": [
