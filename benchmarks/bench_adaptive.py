@@ -12,7 +12,8 @@ built and compiled first (``warmup=True``, which also times each step kind for t
 per system and load, then ``--reps`` rounds (``--batch1-reps`` at batch 1). Reported: tokens/s (median),
 speed-up over plain (the median over rounds of each round's ratio), and for adaptive its chosen-K histogram and
 shares of drafting and of detached steps; with the control, also the adaptive system against both plain LLMs
-(the median over rounds of the round's mean of their two times over its own). Greedy outputs are checked equal to plain decoding's.
+(the median over rounds of the round's mean of their two times over its own). Greedy outputs are checked
+equal to plain decoding's.
 
     python benchmarks/bench_adaptive.py --out benchmarks/results/adaptive.json
 
@@ -239,7 +240,8 @@ def tables(d: dict) -> str:
         control = f"{s['control']['speedup']:.2f}x" if "control" in s else "-"
         both = f"{speedup_vs_both(s, 'adaptive'):.2f}x" if "control" in s else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {s['plain']['tok_s']:.0f} | {control} | "
-                     f"{s['adaptive']['speedup']:.2f}x | {both} | {r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
+                     f"{s['adaptive']['speedup']:.2f}x | {both} | "
+                     f"{r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
                      f"{r['adaptive_vs_best_static']:.2f} | {s['adaptive']['spec_step_share']:.2f} | "
                      f"{s['adaptive'].get('detached_step_share', float('nan')):.2f} |")
     return "\n".join(lines)

@@ -114,7 +114,7 @@ class ControllerConfig:
     """Of the new requests whose prefill the controller would run detached, one per this many batches' worth
     (this many at batch 1, x 32 at batch 32) is prefilled attached instead and probes one draft in its first
     decoding step (0 = never). At a larger batch every row's steps run attached until the vote detaches again
-    (eagle3 at batch 32 with one per 16 requests: 0.95x plain against 0.99x without). Detached requests never
+    (eagle3 at batch 32 with one per 16 prefill decisions: 0.95x plain against 0.99x without). Detached requests never
     draft, so once new requests are prefilled detached the method's estimate sees no more drafts: without this,
     a low early estimate (eagle3 on the shipped pair at batch 1, T 0.8, stopped drafting after its first 39
     sampled drafts and never drafted again, 0.90x plain, where fixed K = 2 ran 1.04x) would stand for good."""
