@@ -69,9 +69,8 @@ class ControllerConfig:
     min_gain: float = 0.02
     """A row drafts position j only while it adds at least this many expected tokens."""
     cost_window: int = 32
-    """A step kind's cost is the median of its last this-many measurements. (With 8, ngram at batch 1 on the
-    shipped target, where steps of K = 0..4 cost within ~5% of each other, read K = 4 1.26x dearer than K =
-    3 and drafted K = 3 in a third of its drafting steps; fixed K = 4 ran 5-8% faster.)"""
+    """A step kind's cost is the median of its last this-many measurements (with 8, ngram at batch 1 read K = 4
+    1.26x dearer than K = 3 on steps within ~5% of each other, and drafted K = 3 in a third of drafting steps)."""
     cost_max_age: int = 64
     """Real measurements of a step kind not chosen in this many real steps of its bucket are forgotten (0 =
     never): the kind falls back to its warmup time scaled like the others, so a kind measured once in a slow
@@ -114,8 +113,8 @@ class ControllerConfig:
     """Of the new requests whose prefill the controller would run detached, one per this many batches' worth
     (this many at batch 1, x 32 at batch 32) is prefilled attached instead and probes one draft in its first
     decoding step (0 = never). At a larger batch every row's steps run attached until the vote detaches again
-    (eagle3 at batch 32 with one per 16 prefill decisions: 0.95x plain against 0.99x without). Detached requests never
-    draft, so once new requests are prefilled detached the method's estimate sees no more drafts: without this,
+    (eagle3 at batch 32 with one per 16 prefill decisions: 0.95x plain against 0.99x without). Detached requests
+    never draft, so once new requests are prefilled detached the method's estimate sees no more drafts: without this,
     a low early estimate (eagle3 on the shipped pair at batch 1, T 0.8, stopped drafting after its first 39
     sampled drafts and never drafted again, 0.90x plain, where fixed K = 2 ran 1.04x) would stand for good."""
     min_lookup_hits: float = 0.1
@@ -238,26 +237,24 @@ class SpeculationController:
             cached = self._priors[sampled] = (s.version, prior, list(itertools.accumulate(prior, operator.mul)))
         return cached[1], cached[2]
 
-    def _reach(self, request_id: str, sampled: bool) -> list[float]:
-        """[K_max]: the request's estimated P(draft j accepted) (a product of its conditional acceptances)."""
-        prior, reach = self._prior(sampled)
+    def _conditional(self, request_id: str, sampled: bool) -> list[float] | None:
+        """[K_max]: the request's estimated P(accept draft i | drafts before it accepted); None: no draft of it
+        verified yet (the method's prior stands)."""
         s = self._request_stats.get(request_id)
         if s is None:
-            return reach
-        m, r, out = self.config.prior_strength, 1.0, []
-        for a, t, p in zip(s.accepted, s.tried, prior):
-            r *= (a + m * p) / (t + m)
-            out.append(r)
-        return out
+            return None
+        m = self.config.prior_strength
+        return [(a + m * p) / (t + m) for a, t, p in zip(s.accepted, s.tried, self._prior(sampled)[0])]
+
+    def _reach(self, request_id: str, sampled: bool) -> list[float]:
+        """[K_max]: the request's estimated P(draft j accepted) (a product of its conditional acceptances)."""
+        alpha = self._conditional(request_id, sampled)
+        return self._prior(sampled)[1] if alpha is None else list(itertools.accumulate(alpha, operator.mul))
 
     def conditional_acceptance(self, request_id: str, sampled: bool) -> np.ndarray:
         """float64 [K_max]: the request's estimated P(accept draft i | drafts before it accepted)."""
-        prior = self._prior(sampled)[0]
-        s = self._request_stats.get(request_id)
-        if s is None:
-            return np.asarray(prior)
-        m = self.config.prior_strength
-        return np.asarray([(a + m * p) / (t + m) for a, t, p in zip(s.accepted, s.tried, prior)])
+        alpha = self._conditional(request_id, sampled)
+        return np.asarray(self._prior(sampled)[0] if alpha is None else alpha)
 
     @staticmethod
     def expected_accepted(alpha: np.ndarray) -> np.ndarray:
@@ -321,7 +318,7 @@ class SpeculationController:
         ``can_draft`` bool [R]: the rows' proposer state is current (default: all).
         """
         cfg = self.config
-        cap_row = plan.caps if found is None else [min(c, f) for c, f in zip(plan.caps, np.asarray(found).tolist())]
+        cap_row = plan.caps if found is None else [min(c, int(f)) for c, f in zip(plan.caps, found)]
         gains = self._gains(plan.reach, cap_row, plan.remaining)
         n = len(plan.request_ids)
         # Rows' tokens per step; draining, the last row's (its bonus token and what the drafts take off the drain).
