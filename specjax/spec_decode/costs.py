@@ -67,7 +67,7 @@ class CostModel:
         # its measurements expire: the kinds ever measured in a real step, or set)
         self._planning: dict[tuple, collections.deque] = {}  # (rows, sampled) -> planning seconds per step
         self._relative: dict[tuple, float] = {}  # kind -> its real / warmup ratio over its bucket's other kinds'
-        # (median), as last read with a full window
+        # (median), as last read while it was chosen with RELATION_MIN_STEPS or more measurements
 
     def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
         """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup.
