@@ -8,7 +8,7 @@ import pytest
 
 import specjax
 from specjax.buckets import count_compiles
-from specjax.spec_decode.controller import ControllerConfig, SpeculationController
+from specjax.spec_decode.controller import LEARN_DRAFTS_PER_REQUEST, ControllerConfig, SpeculationController
 from tiny_models import make_tiny_checkpoint
 
 K = 4
@@ -113,6 +113,24 @@ def test_drafting_short_of_the_margin_over_the_target_alone_keeps_drafting():
     poor = _controller(costs, can_detach=True, detach_after=3)
     _teach(poor, "a", 0.5)  # ~1.9 tokens per 2.6 s: the target alone wins outright
     assert poor.prefers_plain(1, poor.row_caps(["new"], [False], np.asarray([K]), np.asarray([True])), 1)
+
+
+def test_a_few_failed_drafts_do_not_detach_a_request_while_the_methods_drafts_pay():
+    # At the method's acceptance (0.7) a K=4 step of 2.3 s gives ~2.8 tokens, 1.2x the target alone. A new
+    # request's first 3 drafts fail: its estimate (~0.4 at position 1) loses to the target alone, but 0 of 3 is
+    # no evidence it differs from the method (Wilson upper bound 0.57): detaching waits. After 0 of 12 it is.
+    costs = {(1, 0, False): 2.0} | {(1, k, False): 2.3 for k in range(1, K + 1)} | {(1, 0, True): 1.0}
+
+    def fails(z: float, n: int) -> bool:
+        c = _controller(costs, can_detach=True, detach_after=3, detach_z=z)
+        _teach(c, "a", 0.7)
+        for _ in range(n):
+            c.observe("b", False, K, 0)
+        return any(_decide(c, 1, ["b"], [False], [K], [True]).detached for _ in range(4))
+
+    assert fails(0.0, 3)  # the estimate alone detaches it
+    assert not fails(2.0, 3)
+    assert fails(2.0, 12)
 
 
 def test_detaching_waits_for_a_real_measurement_of_the_drafting_step_it_beats():
@@ -413,8 +431,8 @@ def test_learning_ends_early_when_even_optimistic_acceptance_cannot_pay():
     c = _controller(costs)
     assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == 1  # nothing verified: learn
     for i in range(16):
-        c.observe("a", False, 1, 0)  # 16 first drafts, all rejected: Wilson bound (z = 2) 0.2 < 0.5
-        c.observe("b", True, 1, 1)  # sampled drafts of the same method, all accepted: they go on learning
+        c.observe("a" + str(i % 2), False, 1, 0)  # 16 first drafts of two requests, all rejected: Wilson bound
+        c.observe("b", True, 1, 1)  # (z = 2) 0.2 < 0.5; sampled drafts of the method, all accepted: they go on
     assert c.learning(False) and c.method_stats[False].tried[0] < c.config.learn_drafts
     np.testing.assert_allclose(c.optimistic_reach(False)[0], 0.2)
     assert _decide(c, 1, ["a2"], [False], [K], [True]).k == 0
@@ -422,7 +440,7 @@ def test_learning_ends_early_when_even_optimistic_acceptance_cannot_pay():
     # The same failures against a cheap verify (K=1 at 1.05x) leave drafting possible: learning goes on.
     cheap = _controller(costs | {(1, 1, False): 1.05})
     for i in range(16):
-        cheap.observe("a", False, 1, 0)
+        cheap.observe("a" + str(i % 2), False, 1, 0)
     assert _decide(cheap, 1, ["a2"], [False], [K], [True]).k == 1
 
 
@@ -432,15 +450,40 @@ def test_learning_does_not_end_on_a_drafting_cost_known_only_from_warmup():
     for k in range(K + 1):  # warmup: K = 1 looks 1.5x a plain step, more drafts 10x
         c.costs.observe((1, k, False, False), (1.0, 1.5)[k] if k < 2 else 10.0, warmup=True)
     for i in range(16):
-        c.observe("a", False, 1, 0)  # bound 0.2: drafting at 1.5x could not pay
+        c.observe("a" + str(i % 2), False, 1, 0)  # bound 0.2: drafting at 1.5x could not pay
     assert _decide(c, 1, ["a2"], [False], [K], [True]).k == 1  # ... but K = 1 never ran: it runs once
     c.costs.observe((1, 1, False, False), 1.05)  # and costs 1.05x: learning goes on
     assert _decide(c, 1, ["a3"], [False], [K], [True]).k == 1
     dear = _controller({(1, 0, False): 1.0, (1, 1, False): 1.5} | {(1, k, False): 10.0 for k in range(2, K + 1)},
                        cost_max_age=0)  # K = 1 measured in a real step at 1.5x: learning ends
     for i in range(16):
-        dear.observe("a", False, 1, 0)
+        dear.observe("a" + str(i % 2), False, 1, 0)
     assert _decide(dear, 1, ["a2"], [False], [K], [True]).k == 0
+
+
+def test_learning_does_not_end_on_one_requests_drafts():
+    # K=1 costs 1.5x plain (as above). 16 rejected drafts of one request bound the acceptance at 0.2, but one
+    # request's drafts are not independent (its text may be what the proposer cannot draft): that request stops
+    # drafting, and the next learns at K = 1 until LEARN_DRAFTS_PER_REQUEST of its own drafts are verified.
+    costs = {(1, 0, False): 1.0, (1, 1, False): 1.5} | {(1, k, False): 10.0 for k in range(2, K + 1)}
+    c = _controller(costs | {(1, 0, True): 0.9}, can_detach=True)  # (the target alone: a little cheaper)
+    for i in range(16):
+        c.observe("a", False, 1, 0)
+    assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == 0
+    new = c.row_caps(["b"], [False], np.asarray([K]), np.asarray([True]))
+    assert not c.prefers_plain(1, new, 1)  # prefilled attached, to learn
+    for i in range(LEARN_DRAFTS_PER_REQUEST):
+        assert _decide(c, 1, ["b"], [False], [K], [True]).k == 1
+        c.observe("b", False, 1, 0)
+    # Two requests' drafts, all rejected: learning ends, and new requests are prefilled detached.
+    assert _decide(c, 1, ["b"], [False], [K], [True]).k == 0
+    assert _decide(c, 1, ["c"], [False], [K], [True]).k == 0
+    assert c.prefers_plain(1, c.row_caps(["d"], [False], np.asarray([K]), np.asarray([True])), 1)
+    # One request in two ends learning early as before (learn_requests = 1).
+    one = _controller(costs, learn_requests=1)
+    for i in range(16):
+        one.observe("a", False, 1, 0)
+    assert _decide(one, 1, ["b"], [False], [K], [True]).k == 0
 
 
 def test_config_errors_name_the_field():
@@ -448,6 +491,10 @@ def test_config_errors_name_the_field():
         ControllerConfig(cost_window=0)
     with pytest.raises(ValueError, match="min_speedup"):
         ControllerConfig(min_speedup=float("nan"))
+    with pytest.raises(ValueError, match="learn_requests"):
+        ControllerConfig(learn_requests=0)
+    with pytest.raises(ValueError, match="detach_z"):
+        ControllerConfig(detach_z=-1.0)
     with pytest.raises(ValueError, match="detach_after"):
         ControllerConfig(detach_after=-1)
     with pytest.raises(ValueError, match="cost_max_age"):

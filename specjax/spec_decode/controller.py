@@ -1,49 +1,27 @@
 """Choosing the speculation length every step, from measured step costs and each request's acceptance.
 
-The controller picks, for a decoding step of ``R`` rows, one of
+For a decoding step of ``R`` rows the controller picks ``K in 1..K_max`` drafts (rows draft up to their own
+cap), ``K = 0`` with the proposer attached (it keeps its device state in step; a draft head also drafts ahead),
+or a *detached* plain step: the target alone. Rows whose proposer state misses a detached step can never draft
+again, so detaching needs the target alone to beat both attached choices outright for ``detach_after`` steps in
+a row (meanwhile the better attached choice runs), on evidence (``detach_z``) and on a measured drafting cost
+(the vote first runs that K once). New requests are prefilled detached by the same rules
+(:meth:`SpeculationController.prefers_plain`); one per ``explore_every`` batches' worth of them is prefilled
+attached and probes one draft first, so a low early estimate of the method can recover.
 
-* ``K in 1..K_max`` drafts (rows draft up to their own cap),
-* ``K = 0`` with the proposer attached (it keeps its device state in step; a draft
-  head also drafts ahead for the next step), or
-* a *detached* plain step: the target alone (the proposer's work is skipped). Rows
-  whose proposer state misses a detached step can never draft again (their draft
-  KV lacks that token), so detaching needs the target alone to beat both
-  attached choices outright (no margin: hysteresis against a dipping estimate)
-  for several steps in a row (``detach_after``); meanwhile the step runs the
-  better attached choice, and drafting keeps the estimate up to date. Nor does
-  it rest on a drafting cost known only from warmup: the vote first runs that
-  K once. New requests are prefilled detached by the same rules
-  (:meth:`SpeculationController.prefers_plain`): then the proposer never reads
-  their prompts; one per ``explore_every`` batches' worth of them is prefilled attached and
-  probes one draft first (a due probe runs before a detach), so the method's
-  estimate keeps seeing drafts and a low early estimate can recover.
+It maximizes expected committed tokens per second, ``(R + sum_r E[accepted_r | cap_r]) / cost(bucket, K)``,
+drafting only when that beats a step without drafts by ``min_speedup`` or while the method's first
+``learn_drafts`` drafts teach it the acceptance (see ``learn_z``, ``learn_requests``), where ``E[accepted | c]
+= sum_{j<=c} prod_{i<=j} alpha_i`` with per-position conditional acceptance ``alpha_i`` estimated per request
+(a Beta-style mean with the method's running average as prior, greedy and sampled requests apart), and
+``cost`` is the wall time of that step kind (:class:`~specjax.spec_decode.costs.CostModel`: warmup's time,
+then the median of recent real steps; a drafting K next to the chosen one is re-measured once per
+``cost_max_age`` steps; never above a kind that does more work).
 
-It maximizes expected committed tokens per second,
-``(R + sum_r E[accepted_r | cap_r]) / cost(bucket, K)``, drafting only when that
-beats a step without drafts by ``min_speedup`` (1.1x) or while the method's
-first ``learn_drafts`` drafts teach it the acceptance (learning ends early once
-even an optimistic bound on the acceptance seen so far could not make drafting
-pay, and K = 1 has run in a real step), where
-``E[accepted | c] = sum_{j<=c} prod_{i<=j} alpha_i`` with per-position
-conditional acceptance ``alpha_i`` estimated per request (a Beta-style mean with
-the method's running average as prior, kept apart for greedy and sampled
-requests), and ``cost`` is the wall time of that step kind: measured when
-warmup runs it, then the median of its recent measured steps (one slow step, a
-GC pause or another process, moves nothing; measurements of a kind not chosen
-for ``cost_max_age`` steps expire, and a drafting K next to the chosen one is
-run once per that many steps when it has no recent real measurement, since
-warmup's all-padding steps time kinds only roughly). A kind is never estimated above a
-kind that does more work (detached plain <= attached K=0 <= K=1 <= ...): a kind
-that is never chosen is never re-measured, and without that envelope one bad
-measurement of a cheap kind would rule it out for good.
-
-A row's cap stops where one more draft adds less than ``min_gain`` expected
-tokens, so a request whose drafts keep failing stops drafting while others go
-on; when no row would draft, the step is plain, and host proposers are not even
-asked (:meth:`SpeculationController.row_caps` comes before the lookup). A row
-that has not drafted for ``probe_every`` decoding steps gets a one-draft probe so
-its estimate can recover; each probe doubles that request's wait for the next, so
-a request whose drafts keep failing costs ever fewer probe steps.
+A row's cap stops where one more draft adds less than ``min_gain`` expected tokens, so a request whose drafts
+keep failing stops drafting while others go on; when no row would draft, the step is plain and host proposers
+are not even asked (:meth:`SpeculationController.row_caps` comes before the lookup). A row that has not drafted
+for ``probe_every`` decoding steps gets a one-draft probe; each probe doubles that request's wait for the next.
 """
 
 from __future__ import annotations
@@ -55,7 +33,11 @@ import operator
 
 import numpy as np
 
+from specjax.spec_decode.acceptance import AcceptanceStats, upper_bound
 from specjax.spec_decode.costs import CostModel
+
+LEARN_DRAFTS_PER_REQUEST = 4
+"""Verified drafts after which a request counts towards ``learn_requests``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,33 +64,41 @@ class ControllerConfig:
     """Drafts of the method (greedy and sampled apart) verified before its prior may stop drafting: until
     then the controller drafts to learn the acceptance, at the K that is best with the acceptance at its
     optimistic bound (``learn_z``), and never prefills detached, as long as drafting could pay at that bound."""
+    learn_requests: int = 2
+    """Learning ends early (``learn_z``) only once this many requests had ``LEARN_DRAFTS_PER_REQUEST`` drafts
+    verified; until then a request with fewer learns at K = 1. One request's drafts are not independent: the
+    shipped EAGLE-3 head at T 0.8 saw its first 8 sampled drafts, all of one code prompt, rejected, and every
+    later request was prefilled detached (0.97x plain, fixed K = 4 1.09x)."""
     learn_z: float = 2.0
     """While learning, each position's acceptance is taken at its Wilson upper bound, this many standard
     deviations above the verified drafts (1 before any): when even that cannot pay, learning ends early (a
     head whose first 8 drafts all fail is bounded at 0.33, after 16 at 0.2)."""
     detach_after: int = 8
     """Consecutive decoding steps a detached plain step must win before the controller detaches."""
+    detach_z: float = 2.0
+    """Detaching (irreversible) takes each row's acceptance no lower than the method's where the row's own
+    drafts do not put it below with confidence: their Wilson upper bound this many standard deviations up.
+    Without it a few unlucky sampled drafts detached whole requests: eagle3 at batch 1, T 0.8 on the shipped
+    pair, every request accepting 0.65-0.9 per position, ran a quarter of its steps detached. 0: the row's
+    estimate alone."""
     probe_every: int = 32
     """A row that has not drafted for this many decoding steps drafts one token (0 = never probe); the wait
     doubles after each probe of the same request."""
     replan_every: int = 8
     """A decision without drafts serves this many decoding steps of the same rows (0 or 1 = plan every step),
-    twice as many for each such decision in a row that held for the same rows (up to 8x; not where only a host
-    lookup's misses kept the step plain, see below): without drafts
-    nothing it rests on changes but the step costs, which move slowly, and planning is host work that a step
-    kept plain pays over plain decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target with numpy
-    arithmetic; the controller's part ~0.15 ms at batch 1 in plain Python). It ends sooner
-    where a probe falls due, while detaching is being voted on, and when the rows change; where only a host
-    lookup's misses kept the step from drafting, only while such lookups seldom hit (``min_lookup_hits``)."""
+    twice as many for each such decision in a row for the same rows (up to 8x): without drafts nothing it rests
+    on changes but the step costs, which move slowly, and planning is host work a plain step pays over plain
+    decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target with numpy arithmetic). It ends sooner where a
+    probe falls due, while detaching is being voted on, and when the rows change; where only a host lookup's
+    misses kept the step from drafting, it holds only while such lookups seldom hit (``min_lookup_hits``)."""
     draft_replan_every: int = 4
     """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), each
     row drafting up to its cap, unless it probes, explores a neighbouring K, learns the method's acceptance,
-    detaching is being voted on, or the drafts of several rows come from a host lookup (what a lookup finds
-    changes every step, and so does whether verifying it pays: ngram at batch 8 held such plans at 0.89x plain;
-    one row's held step verifies what its lookup finds, up to the cap, or runs plain, as a new plan would):
-    planning is host work (0.3-0.4 ms with numpy arithmetic, 5-13% of a drafting step on the shipped target:
-    cold caches after a step make numpy calls cost several times their microbenchmark; less in plain Python),
-    and a row's estimate moves little in a few steps."""
+    detaching is being voted on, or the drafts of several rows come from a host lookup (whether verifying what
+    a lookup finds pays changes every step: ngram at batch 8 held such plans at 0.89x plain; one row's held
+    step verifies what its lookup finds, up to the cap, or runs plain): planning is host work (5-13% of a
+    drafting step on the shipped target with numpy arithmetic), and a row's estimate moves little in a few
+    steps."""
     explore_every: int = 16
     """Of the new requests whose prefill the controller would run detached, one per this many batches' worth
     (this many at batch 1, x 32 at batch 32) is prefilled attached instead and probes one draft in its first
@@ -123,40 +113,18 @@ class ControllerConfig:
     than the host time a held plan saves (ngram at batch 1: about half of greedy lookups hit, ~5% at T 0.8)."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_strength", "min_gain", "min_speedup", "learn_z", "min_lookup_hits"):
+        for name in ("prior_strength", "min_gain", "min_speedup", "learn_z", "detach_z", "min_lookup_hits"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not (0.0 <= self.initial_acceptance <= 1.0):
             raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
-        for name, low in (("cost_window", 1), ("cost_max_age", 0), ("learn_drafts", 0), ("detach_after", 0),
+        for name, low in (("cost_window", 1), ("cost_max_age", 0), ("learn_drafts", 0), ("learn_requests", 1),
+                          ("detach_after", 0),
                           ("probe_every", 0), ("replan_every", 0), ("draft_replan_every", 0), ("explore_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-
-
-class AcceptanceStats:
-    """Per-position counts: drafts verified at position i (``tried``) and accepted there (``accepted``).
-
-    Python lists, as is the controller's arithmetic on them: it runs between steps on a few rows, where each
-    numpy call costs microseconds (several times its microbenchmark right after a step has streamed the
-    weights through the caches) and a plan made ~15 of them."""
-
-    def __init__(self, k_max: int):
-        self.tried = [0] * k_max
-        self.accepted = [0] * k_max
-        self.version = 0
-        """Counts the observations (a cache key for values derived from the counts)."""
-
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """One verification: positions 1..min(num_accepted + 1, num_drafts) were reached."""
-        tried, accepted = self.tried, self.accepted
-        for i in range(min(num_accepted + 1, num_drafts)):
-            tried[i] += 1
-        for i in range(num_accepted):
-            accepted[i] += 1
-        self.version += 1
 
 
 @dataclasses.dataclass
@@ -177,6 +145,8 @@ class RowCaps:
     remaining: list[int] | None = None
     """[R]: tokens each row may still generate, given when no request waits to take a finished row's
     place (the batch is draining): a step is then worth how much it shortens the drain, not its tokens."""
+    row_sampled: list[bool] | None = None
+    """[R]: the row samples (None: every row as ``sampled``)."""
 
 
 @dataclasses.dataclass
@@ -223,6 +193,8 @@ class SpeculationController:
         self._optimistic: dict[bool, tuple[tuple[int, float], list[float]]] = {}  # sampled -> (key, reach)
         self._priors: dict[bool, tuple[int, list[float], list[float]]] = {}  # sampled -> (version, prior, reach)
         self._detached_prefill_votes = 0  # requests whose prefill the controller chose detached (see explore_every)
+        self._learned_from = {False: set(), True: set()}  # sampled -> requests with LEARN_DRAFTS_PER_REQUEST
+        # drafts verified (up to learn_requests of them)
 
     # ------------------------------------------------------------------ estimates
 
@@ -266,7 +238,11 @@ class SpeculationController:
         if num_drafts <= 0:
             return
         self.method_stats[sampled].observe(num_drafts, num_accepted)
-        self._request_stats.setdefault(request_id, AcceptanceStats(self.k_max)).observe(num_drafts, num_accepted)
+        own = self._request_stats.setdefault(request_id, AcceptanceStats(self.k_max))
+        own.observe(num_drafts, num_accepted)
+        sources = self._learned_from[sampled]
+        if len(sources) < self.config.learn_requests and own.tried[0] >= LEARN_DRAFTS_PER_REQUEST:
+            sources.add(request_id)
 
     def finish(self, request_id: str) -> None:
         self._request_stats.pop(request_id, None)
@@ -308,7 +284,8 @@ class SpeculationController:
             probing.append(probe)
         return RowCaps(request_ids=list(request_ids), reach=reach, caps=caps, probing=probing,
                        sampled=any(sampled), until_probe=until_probe,
-                       remaining=None if remaining is None else np.asarray(remaining).tolist())
+                       remaining=None if remaining is None else np.asarray(remaining).tolist(),
+                       row_sampled=[bool(x) for x in sampled])
 
     def decide(self, rows: int, plan: RowCaps, found: np.ndarray | None = None,
                can_draft: np.ndarray | None = None) -> Decision:
@@ -325,14 +302,15 @@ class SpeculationController:
         draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, n if plan.remaining is None else 1,
                                                                         gains, plan.sampled)
         pays = draft_k > 0 and draft_rate >= cfg.min_speedup * max(attached_rate, detached_rate)
-        learn_k = self._learning_k(rows, n, cap_row, plan.sampled) if draft_k > 0 else 0
+        learn_k = self._learning_k(rows, n, cap_row, plan.sampled, fresh=self._fresh(plan)) if draft_k > 0 else 0
         drafting = pays or learn_k > 0
         draft_k = learn_k or draft_k
         detached = measure = False
         probes = any(p and c > 0 for p, c in zip(plan.probing, cap_row))
-        if not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate):
+        stale = can_draft is not None and not np.any(can_draft)
+        if (not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate)
+                and (stale or self._detach_sure(rows, plan, cap_row))):
             self._detach_votes += 1
-            stale = can_draft is not None and not np.any(can_draft)
             measure = self._unmeasured(rows, draft_k, plan.sampled)  # (the measuring step still counts as a vote)
             # A due probe runs first: detaching would end the rows' drafts, and with them the probe's evidence.
             detached = not measure and not probes and (self._detach_votes >= cfg.detach_after or stale)
@@ -414,7 +392,7 @@ class SpeculationController:
                                                             plan.sampled)
         if not draft_k:
             return 0
-        learn_k = self._learning_k(rows, n, plan.caps, plan.sampled)
+        learn_k = self._learning_k(rows, n, plan.caps, plan.sampled, fresh=self._fresh(plan))
         return learn_k or (draft_k if draft_rate >= self.config.min_speedup * attached_rate else 0)
 
     def held_step(self, k: int = 0) -> None:
@@ -508,6 +486,30 @@ class SpeculationController:
         target alone keeps drafting (hysteresis; the per-request estimate dips and recovers)."""
         return detached_rate > max(attached_rate, draft_rate)
 
+    def _detach_sure(self, rows: int, plan: RowCaps, cap_row: list[int]) -> bool:
+        """The target alone also beats both attached choices with each row's acceptance taken no lower than the
+        method's unless the row's own drafts put it below with confidence (``detach_z``): detaching cannot be
+        undone, and a request's estimate from a few sampled drafts dips by chance."""
+        row_sampled = plan.row_sampled or [plan.sampled] * len(plan.request_ids)
+        reach = [self._detach_reach(rid, smp) for rid, smp in zip(plan.request_ids, row_sampled)]
+        if reach == plan.reach:
+            return True
+        n = len(plan.request_ids) if plan.remaining is None else 1
+        _, draft_rate, attached_rate, detached_rate = self._rates(rows, n, self._gains(reach, cap_row,
+                                                                                       plan.remaining), plan.sampled)
+        return self._detach_wins(draft_rate, attached_rate, detached_rate)
+
+    def _detach_reach(self, request_id: str, sampled: bool) -> list[float]:
+        """[K_max]: the request's P(draft j accepted) for the detaching vote (see :meth:`_detach_sure`)."""
+        s = self._request_stats.get(request_id)
+        alpha = self._conditional(request_id, sampled)
+        if s is None or alpha is None:
+            return self._prior(sampled)[1]
+        z = self.config.detach_z
+        alpha = [max(x, min(p, upper_bound(a, t, z)))
+                 for x, p, a, t in zip(alpha, self._prior(sampled)[0], s.accepted, s.tried)]
+        return list(itertools.accumulate(alpha, operator.mul))
+
     def _plain_rates(self, rows: int, n: float, sampled: bool) -> tuple[float, float]:
         """Tokens per second of an attached and of a detached step without drafts (0 where the proposer
         cannot detach)."""
@@ -521,7 +523,7 @@ class SpeculationController:
         The same rates and margin as :meth:`decide`, with each row's gains scaled to ``num_rows`` rows.
         """
         n = len(plan.request_ids)
-        if not self.can_detach or not n or self._learning_k(rows, num_rows, plan.caps, plan.sampled,
+        if not self.can_detach or not n or self._learning_k(rows, num_rows, plan.caps, plan.sampled, fresh=True,
                                                             scale=num_rows / n):
             return False
         gains = self._gains(plan.reach, plan.caps)
@@ -554,21 +556,21 @@ class SpeculationController:
         cached = self._optimistic.get(sampled)
         if cached is not None and cached[0] == key:  # (a plan asks up to twice)
             return cached[1]
-        upper = []
-        for a, t in zip(s.accepted, s.tried):
-            if not t:
-                upper.append(1.0)
-                continue
-            p = a / t
-            bound = (p + z * z / (2 * t) + z * math.sqrt(p * (1 - p) / t + z * z / (4 * t * t))) / (1 + z * z / t)
-            upper.append(min(bound, 1.0))
-        reach = list(itertools.accumulate(upper, operator.mul))
+        reach = list(itertools.accumulate((upper_bound(a, t, z) for a, t in zip(s.accepted, s.tried)),
+                                          operator.mul))
         self._optimistic[sampled] = (key, reach)
         return reach
 
-    def _learning_k(self, rows: int, n: float, caps: list[int], sampled: bool, scale: float = 1.0) -> int:
+    def _fresh(self, plan: RowCaps) -> bool:
+        """Some row of ``plan`` had fewer than LEARN_DRAFTS_PER_REQUEST drafts verified."""
+        return any((s := self._request_stats.get(rid)) is None or s.tried[0] < LEARN_DRAFTS_PER_REQUEST
+                   for rid in plan.request_ids)
+
+    def _learning_k(self, rows: int, n: float, caps: list[int], sampled: bool, scale: float = 1.0, *,
+                    fresh: bool = False) -> int:
         """While learning: the K with the most tokens per second if the acceptance were at its optimistic bound
-        (``gains * scale``: rows standing for ``n``), when that beats a step without drafts; else 0. Choosing
+        (``gains * scale``: rows standing for ``n``), when that beats a step without drafts; else 0 (1 for a
+        ``fresh`` row while fewer than ``learn_requests`` requests taught the bound, see there). Choosing
         K at the bound, not at the estimate, also teaches the deeper positions: at the estimate a new method
         settled on K = 2 and its positions 3-4 stayed at the prior (9 and 2 drafts verified there)."""
         if not self.learning(sampled):
@@ -581,7 +583,8 @@ class SpeculationController:
         # Learning would end on cost: not before K = 1, the cheapest drafting step, ran in a real step of the
         # bucket (warmup timed it on all-padding rows; ngram at batch 1, T 0.8 ended learning after its first 7
         # sampled drafts, all at K = 4, with K = 1 estimated 1.39x a plain step, while fixed K = 1 ran 1.08x plain).
-        return 1 if k and self._unmeasured(rows, 1, sampled) else 0
+        few = fresh and len(self._learned_from[sampled]) < self.config.learn_requests
+        return 1 if k and (few or self._unmeasured(rows, 1, sampled)) else 0
 
     def count_step(self, k: int, detached: bool) -> None:
         """Count a decoding step's K (also for steps planned without :meth:`decide`)."""
