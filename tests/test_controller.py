@@ -15,7 +15,9 @@ K = 4
 
 
 def _controller(costs: dict, *, can_detach=False, **cfg) -> SpeculationController:
-    c = SpeculationController(K, ControllerConfig(**cfg), can_detach=can_detach)
+    # These tests teach the method through one request (_teach): learning counts its drafts alone, unless a test
+    # asks otherwise (the rule for several requests has its own tests).
+    c = SpeculationController(K, ControllerConfig(**{"learn_requests": 1, **cfg}), can_detach=can_detach)
     for key, seconds in costs.items():  # (rows, K, detached): the same for greedy and sampled steps
         for sampled in (False, True):
             c.costs.observe((*key, sampled), seconds)
@@ -137,7 +139,7 @@ def test_detaching_waits_for_a_real_measurement_of_the_drafting_step_it_beats():
     # Warmup timed every kind; real steps so far only the target alone (2x its warmup time), so drafting is
     # estimated at its warmup time x 2. Drafting loses (acceptance 0.1), but detaching cannot be undone: the
     # vote first runs the drafting K once, and new requests are prefilled attached until then.
-    c = SpeculationController(K, ControllerConfig(detach_after=2), can_detach=True)
+    c = SpeculationController(K, ControllerConfig(detach_after=2, learn_requests=1), can_detach=True)
     for k in range(K + 1):
         c.costs.observe((1, k, False, False), 1.0 + 0.5 * k, warmup=True)
     c.costs.observe((1, 0, True, False), 0.5, warmup=True)
@@ -461,12 +463,28 @@ def test_learning_does_not_end_on_a_drafting_cost_known_only_from_warmup():
     assert _decide(dear, 1, ["a2"], [False], [K], [True]).k == 0
 
 
+def test_learning_lasts_until_learn_requests_requests_had_drafts_verified():
+    c = SpeculationController(K, ControllerConfig(), can_detach=False)  # learn_requests = 4
+    for _ in range(40):
+        c.observe("a", True, K, 1)
+    assert c.learning(True)  # 40 drafts (> learn_drafts), all of one request
+    for r in ("b", "c"):
+        for _ in range(LEARN_DRAFTS_PER_REQUEST):
+            c.observe(r, True, K, 1)
+    for _ in range(LEARN_DRAFTS_PER_REQUEST - 1):
+        c.observe("d", True, K, 1)
+    assert c.learning(True)
+    c.observe("d", True, K, 1)  # the fourth request's fourth draft
+    assert not c.learning(True) and c.learning(False)  # (greedy requests apart)
+
+
 def test_learning_does_not_end_on_one_requests_drafts():
     # K=1 costs 1.5x plain (as above). 16 rejected drafts of one request bound the acceptance at 0.2, but one
     # request's drafts are not independent (its text may be what the proposer cannot draft): that request stops
     # drafting, and the next learns at K = 1 until LEARN_DRAFTS_PER_REQUEST of its own drafts are verified.
     costs = {(1, 0, False): 1.0, (1, 1, False): 1.5} | {(1, k, False): 10.0 for k in range(2, K + 1)}
-    c = _controller(costs | {(1, 0, True): 0.9}, can_detach=True)  # (the target alone: a little cheaper)
+    c = _controller(costs | {(1, 0, True): 0.9}, can_detach=True, learn_requests=2)  # (the target alone: a
+    # little cheaper)
     for i in range(16):
         c.observe("a", False, 1, 0)
     assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == 0
@@ -475,7 +493,7 @@ def test_learning_does_not_end_on_one_requests_drafts():
     for i in range(LEARN_DRAFTS_PER_REQUEST):
         assert _decide(c, 1, ["b"], [False], [K], [True]).k == 1
         c.observe("b", False, 1, 0)
-    # Two requests' drafts, all rejected: learning ends, and new requests are prefilled detached.
+    # Two requests' drafts (learn_requests = 2), all rejected: learning ends, new requests are prefilled detached.
     assert _decide(c, 1, ["b"], [False], [K], [True]).k == 0
     assert _decide(c, 1, ["c"], [False], [K], [True]).k == 0
     assert c.prefers_plain(1, c.row_caps(["d"], [False], np.asarray([K]), np.asarray([True])), 1)
@@ -577,8 +595,8 @@ def _dear_drafting(c: SpeculationController, factor: float = 10.0) -> None:
 def _learned(c: SpeculationController) -> None:
     """Earlier requests verified enough drafts (every one accepted) for the method's prior to count."""
     for sampled in (False, True):
-        for _ in range(c.config.learn_drafts):
-            c.observe("earlier", sampled, c.k_max, c.k_max)
+        for i in range(max(c.config.learn_drafts, c.config.learn_requests * LEARN_DRAFTS_PER_REQUEST)):
+            c.observe(f"earlier{i % c.config.learn_requests}", sampled, c.k_max, c.k_max)
     assert not c.learning(False) and not c.learning(True)
 
 
