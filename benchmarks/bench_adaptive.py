@@ -24,6 +24,13 @@ held-out prompts of ``specjax.train.selfgen`` (chat, prose, code; topics the hea
         --methods ngram suffix smollm2_eagle3 --batches 1 8 --static-ks 1 2 --prompt-len 96 --batch1-prompts 2 \
         --reps 3 --batch1-reps 3 --out benchmarks/results/smollm2_spec.json
 
+``--head NAME=METHOD:MODEL`` adds a method with another draft model or head, e.g. the full-vocabulary EAGLE-3
+head shipped before 2026-12-05 (``git show 9d8efb2:specjax/builtin/eagle3/model.safetensors``, and its
+config.json, into a directory) against the shipped one:
+
+    python benchmarks/bench_adaptive.py --head eagle3_full=eagle3:/tmp/eagle3_full --methods eagle3 eagle3_full \
+        --batches 1 8 --static-ks 2 4 --out benchmarks/results/eagle3_vocab.json
+
 A batch-1 load generates ``--batch1-prompts`` prompts one ``generate`` call each (one call lasts only
 ``--new-tokens`` steps, too short to time alone on a noisy machine).
 """
@@ -118,7 +125,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/adaptive.json"))
     ap.add_argument("--model", default="builtin:target")
-    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=["draft_model", "eagle3", "ngram"])
+    ap.add_argument("--head", action="append", default=[], metavar="NAME=METHOD:MODEL",
+                    help="also a method NAME (for --methods): METHOD with the draft model or head MODEL (a path)")
+    ap.add_argument("--methods", nargs="+", default=["draft_model", "eagle3", "ngram"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     ap.add_argument("--static-ks", type=int, nargs="+", default=[1, 2, 4])
@@ -134,6 +143,12 @@ def main() -> None:
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                     help="also time a second plain LLM, reported as 'control' (the noise floor of the ratios)")
     args = ap.parse_args()
+    for item in args.head:
+        name, _, rest = item.partition("=")
+        method, _, model = rest.partition(":")
+        METHODS[name] = {"method": method, "model": model}
+    if unknown := set(args.methods) - set(METHODS):
+        ap.error(f"unknown --methods {sorted(unknown)}; known: {sorted(METHODS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     t0 = time.perf_counter()
