@@ -103,16 +103,13 @@ class ControllerConfig:
     steps."""
     explore_every: int = 16
     """Of the new requests whose prefill the controller would run detached, one per this many batches' worth
-    (this many at batch 1, x 32 at batch 32) is prefilled attached instead and probes one draft in its first
-    decoding step (0 = never). At a larger batch every row's steps run attached until the vote detaches again
-    (eagle3 at batch 32 with one per 16 prefill decisions: 0.95x plain against 0.99x without). Detached requests
-    never draft, so once new requests are prefilled detached the method's estimate sees no more drafts: without this,
-    a low early estimate (eagle3 on the shipped pair at batch 1, T 0.8, stopped drafting after its first 39
-    sampled drafts and never drafted again, 0.90x plain, where fixed K = 2 ran 1.04x) would stand for good."""
+    (x 32 at batch 32) is prefilled attached and probes one draft in its first decoding step (0 = never): else
+    the method's estimate sees no more drafts once prefills detach, and a low early estimate stands for good
+    (eagle3 at batch 1, T 0.8: 0.90x plain, fixed K = 2 1.04x). Per batch, as at batch 32 every row's steps
+    run attached until the vote detaches again (one per 16 prefill decisions: 0.95x plain, none 0.99x)."""
     min_lookup_hits: float = 0.1
-    """A plan kept plain only because a host lookup found no drafts is held (``replan_every``) only while fewer
-    than this share of recent such lookups found any: the next lookup may hit, and a hit is worth far more
-    than the host time a held plan saves (ngram at batch 1: about half of greedy lookups hit, ~5% at T 0.8)."""
+    """A plan kept plain only because a host lookup found no drafts is held only while fewer than this share of
+    recent such lookups found any (ngram at batch 1: about half of greedy lookups hit, ~5% at T 0.8)."""
 
     def __post_init__(self) -> None:
         for name in ("prior_strength", "min_gain", "min_speedup", "learn_z", "detach_z", "min_lookup_hits"):
@@ -405,13 +402,10 @@ class SpeculationController:
 
     def _unmeasured(self, rows: int, k: int, sampled: bool) -> bool:
         """Drafting at ``k`` (> 0) never ran in a real step of this bucket: its cost is warmup's time for it,
-        scaled by the real / warmup ratio of the kinds that did (no rows are stale then: stale rows have cap 0).
-        Detaching cannot be undone, so it does not rest on that: warmup's all-padding rows time kinds unevenly
-        (shipped pair at batch 8, sampled: the target alone ran 1.8x its warmup time, drafting steps 1.4-1.65x,
-        so drafting looked 20% dearer than it was; new requests were prefilled detached and never drafted,
-        while fixed K = 2 ran 1.1-1.3x plain). A kind whose real measurements expired (``cost_max_age``)
-        counts as measured: its estimate keeps its last relation to the bucket's other kinds (see
-        :class:`~specjax.spec_decode.costs.CostModel`)."""
+        scaled like the kinds that did. Detaching cannot be undone, so it does not rest on that: warmup's
+        all-padding rows time kinds unevenly (shipped pair at batch 8, sampled: drafting looked 20% dearer than
+        it was, and new requests were prefilled detached where fixed K = 2 ran 1.1-1.3x plain). A kind whose
+        real measurements expired counts as measured (it keeps its relation, see ``CostModel``)."""
         return k > 0 and not self.costs.seen((rows, k, False, sampled))
 
     def _explore(self, rows: int, k: int, cap_row: list[int], sampled: bool) -> int:
