@@ -146,6 +146,8 @@ def main() -> None:
     for item in args.head:
         name, _, rest = item.partition("=")
         method, _, model = rest.partition(":")
+        if not (name and method and model):
+            ap.error(f"--head wants NAME=METHOD:MODEL, got {item!r}")
         METHODS[name] = {"method": method, "model": model}
     if unknown := set(args.methods) - set(METHODS):
         ap.error(f"unknown --methods {sorted(unknown)}; known: {sorted(METHODS)}")

@@ -301,7 +301,7 @@ class SpeculationController:
         draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, n if plan.remaining is None else 1,
                                                                         gains, plan.sampled)
         pays = draft_k > 0 and draft_rate >= cfg.min_speedup * max(attached_rate, detached_rate)
-        learn_k = self._learning_k(rows, n, cap_row, plan.sampled, fresh=self._fresh(plan)) if draft_k > 0 else 0
+        learn_k = self._learning_k(rows, n, cap_row, plan.sampled, ids=plan.request_ids) if draft_k > 0 else 0
         drafting = pays or learn_k > 0
         draft_k = learn_k or draft_k
         detached = measure = False
@@ -391,7 +391,7 @@ class SpeculationController:
                                                             plan.sampled)
         if not draft_k:
             return 0
-        learn_k = self._learning_k(rows, n, plan.caps, plan.sampled, fresh=self._fresh(plan))
+        learn_k = self._learning_k(rows, n, plan.caps, plan.sampled, ids=plan.request_ids)
         return learn_k or (draft_k if draft_rate >= self.config.min_speedup * attached_rate else 0)
 
     def held_step(self, k: int = 0) -> None:
@@ -519,7 +519,7 @@ class SpeculationController:
         The same rates and margin as :meth:`decide`, with each row's gains scaled to ``num_rows`` rows.
         """
         n = len(plan.request_ids)
-        if not self.can_detach or not n or self._learning_k(rows, num_rows, plan.caps, plan.sampled, fresh=True,
+        if not self.can_detach or not n or self._learning_k(rows, num_rows, plan.caps, plan.sampled,
                                                             scale=num_rows / n):
             return False
         gains = self._gains(plan.reach, plan.caps)
@@ -559,16 +559,12 @@ class SpeculationController:
         self._optimistic[sampled] = (key, reach)
         return reach
 
-    def _fresh(self, plan: RowCaps) -> bool:
-        """Some row of ``plan`` had fewer than LEARN_DRAFTS_PER_REQUEST drafts verified."""
-        return any((s := self._request_stats.get(rid)) is None or s.tried[0] < LEARN_DRAFTS_PER_REQUEST
-                   for rid in plan.request_ids)
-
     def _learning_k(self, rows: int, n: float, caps: list[int], sampled: bool, scale: float = 1.0, *,
-                    fresh: bool = False) -> int:
+                    ids: list[str] | None = None) -> int:
         """While learning: the K with the most tokens per second if the acceptance were at its optimistic bound
-        (``gains * scale``: rows standing for ``n``), when that beats a step without drafts; else 0 (1 for a
-        ``fresh`` row while fewer than ``learn_requests`` requests taught the bound, see there). Choosing
+        (``gains * scale``: rows standing for ``n``), when that beats a step without drafts; else 0 (1 while
+        fewer than ``learn_requests`` requests taught the bound if a row, of ``ids`` or new ones (None), had
+        fewer than LEARN_DRAFTS_PER_REQUEST drafts verified). Choosing
         K at the bound, not at the estimate, also teaches the deeper positions: at the estimate a new method
         settled on K = 2 and its positions 3-4 stayed at the prior (9 and 2 drafts verified there)."""
         if not self.learning(sampled):
@@ -581,7 +577,8 @@ class SpeculationController:
         # Learning would end on cost: not before K = 1, the cheapest drafting step, ran in a real step of the
         # bucket (warmup timed it on all-padding rows; ngram at batch 1, T 0.8 ended learning after its first 7
         # sampled drafts, all at K = 4, with K = 1 estimated 1.39x a plain step, while fixed K = 1 ran 1.08x plain).
-        few = fresh and len(self._learned_from[sampled]) < self.config.learn_requests
+        few = len(self._learned_from[sampled]) < self.config.learn_requests and (ids is None or any(
+            (s := self._request_stats.get(rid)) is None or s.tried[0] < LEARN_DRAFTS_PER_REQUEST for rid in ids))
         return 1 if k and (few or self._unmeasured(rows, 1, sampled)) else 0
 
     def count_step(self, k: int, detached: bool) -> None:
