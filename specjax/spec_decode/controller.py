@@ -68,7 +68,7 @@ class ControllerConfig:
     """Learning lasts, and ends early (``learn_z``), only until this many requests had
     ``LEARN_DRAFTS_PER_REQUEST`` drafts verified; where the bound cannot pay before that, a request with fewer
     learns at K = 1. One request's drafts are not independent: the shipped EAGLE-3 head at T 0.8 saw its first
-    8 sampled drafts, all of one code prompt, rejected, and every later request was prefilled detached (0.97x
+    8 sampled drafts, all of one prompt, rejected, and every later request was prefilled detached (0.97x
     plain, fixed K = 4 1.09x); with two requests, its first 40 drafts read 0.43 at position 1 (0.73 over four)
     and the same happened (0.96x)."""
     learn_z: float = 2.0
