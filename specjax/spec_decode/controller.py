@@ -297,9 +297,7 @@ class SpeculationController:
         cap_row = plan.caps if found is None else [min(c, int(f)) for c, f in zip(plan.caps, found)]
         gains = self._gains(plan.reach, cap_row, plan.remaining)
         n = len(plan.request_ids)
-        # Rows' tokens per step; draining, the last row's (its bonus token and what the drafts take off the drain).
-        draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, n if plan.remaining is None else 1,
-                                                                        gains, plan.sampled)
+        draft_k, draft_rate, attached_rate, detached_rate = self._plan_rates(rows, plan, gains)
         pays = draft_k > 0 and draft_rate >= cfg.min_speedup * max(attached_rate, detached_rate)
         learn_k = self._learning_k(rows, n, cap_row, plan.sampled, ids=plan.request_ids) if draft_k > 0 else 0
         drafting = pays or learn_k > 0
@@ -387,8 +385,7 @@ class SpeculationController:
         margin.)"""
         gains = self._gains(plan.reach, plan.caps, plan.remaining)
         n = len(plan.request_ids)
-        draft_k, draft_rate, attached_rate, _ = self._rates(rows, n if plan.remaining is None else 1, gains,
-                                                            plan.sampled)
+        draft_k, draft_rate, attached_rate, _ = self._plan_rates(rows, plan, gains)
         if not draft_k:
             return 0
         learn_k = self._learning_k(rows, n, plan.caps, plan.sampled, ids=plan.request_ids)
@@ -469,6 +466,11 @@ class SpeculationController:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
+    def _plan_rates(self, rows: int, plan: RowCaps, gains: list[float]) -> tuple[int, float, float, float]:
+        """:meth:`_rates` of ``plan``'s rows: tokens per step count every row; draining, the last row's (its
+        bonus token and what the drafts take off the drain, see :meth:`_gains`)."""
+        return self._rates(rows, len(plan.request_ids) if plan.remaining is None else 1, gains, plan.sampled)
+
     def _rates(self, rows: int, n: float, gains: list[float], sampled: bool) -> tuple[int, float, float, float]:
         """(best drafting K, its tokens per second, tokens per second of an attached and of a detached step
         without drafts (0 where the proposer cannot detach))."""
@@ -490,17 +492,16 @@ class SpeculationController:
         reach = [self._detach_reach(rid, smp) for rid, smp in zip(plan.request_ids, row_sampled)]
         if reach == plan.reach:
             return True
-        n = len(plan.request_ids) if plan.remaining is None else 1
-        _, draft_rate, attached_rate, detached_rate = self._rates(rows, n, self._gains(reach, cap_row,
-                                                                                       plan.remaining), plan.sampled)
+        _, draft_rate, attached_rate, detached_rate = self._plan_rates(rows, plan,
+                                                                       self._gains(reach, cap_row, plan.remaining))
         return self._detach_wins(draft_rate, attached_rate, detached_rate)
 
     def _detach_reach(self, request_id: str, sampled: bool) -> list[float]:
         """[K_max]: the request's P(draft j accepted) for the detaching vote (see :meth:`_detach_sure`)."""
         s = self._request_stats.get(request_id)
-        alpha = self._conditional(request_id, sampled)
-        if s is None or alpha is None:
+        if s is None:
             return self._prior(sampled)[1]
+        alpha = self._conditional(request_id, sampled)
         z = self.config.detach_z
         alpha = [max(x, min(p, upper_bound(a, t, z)))
                  for x, p, a, t in zip(alpha, self._prior(sampled)[0], s.accepted, s.tried)]
