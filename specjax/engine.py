@@ -366,13 +366,13 @@ class Engine:
         if self._held and self._held_key == key:
             return self._held_step(rows, slots)
         self._held = 0
-        k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
-        limits, can_draft = self._row_limits(rows, slots, k)
         if self.controller is not None and self.proposer.syncs and not self.scheduler.slots.synced[slots].any():
             # Every row's proposer state is stale (they missed detached steps): plain steps from here on,
             # with no host work for a choice that has none.
             self.controller.count_step(0, detached=True)
             return 0, np.zeros(n, np.int32), None, True
+        k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
+        limits, can_draft = self._row_limits(rows, slots, k)
         ids = [r.request.request_id for r in rows]
         wanted = remaining = None
         if self.controller is not None:
@@ -484,8 +484,10 @@ class Engine:
         sched = self.scheduler
         expected = min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
         limits = np.asarray([min(self.k_max, r.request.params.max_tokens - 1) for r in rows]).clip(0)
+        # Every request is admitted: the batch will drain (its decoding steps count drafts so, RowCaps.remaining).
+        draining = len(sched.running) + len(sched.waiting) <= self.config.max_num_seqs
         plan = c.row_caps([r.request.request_id for r in rows], [r.request.params.temperature > 0 for r in rows],
-                          limits, np.ones(len(rows), bool))
+                          limits, np.ones(len(rows), bool), self._remaining(rows) if draining else None)
         detached = c.prefers_plain(bucket_for(expected, self.config.row_buckets, "num_seqs"), plan, expected)
         c.num_detached_prefills += int(detached)
         return detached

@@ -35,6 +35,7 @@ import numpy as np
 
 from specjax.spec_decode.acceptance import AcceptanceStats, upper_bound
 from specjax.spec_decode.costs import CostModel
+from specjax.spec_decode.drain import drain_gains
 
 LEARN_DRAFTS_PER_REQUEST = 4
 """Verified drafts after which a request counts towards ``learn_requests``."""
@@ -422,37 +423,23 @@ class SpeculationController:
                remaining: list[int] | None = None) -> list[float]:
         """Gains [K_max + 1] of a step of K drafts (each row drafting up to ``cap_row``): NaN where no row drafts,
         else the expected accepted drafts summed over rows, or with ``remaining`` (a draining batch) how many
-        tokens they take off the drain beyond a plain step's one.
-
-        Draining, the batch ends with the row that has the most tokens left, so drafts shorten it only where
-        they advance every such row: ``max(remaining) - max(remaining - accepted)``. Rows that finish early free
-        no slot for anyone, and drafting for them alone makes each step dearer while the last row waits (ngram
-        at batch 8: the rows whose lookups found drafts finished first, the batch then waited on two rows that
-        never found any, 0.89-0.92x plain). Each drafting row counts there at the drafting rows' mean: which of
-        several similar rows is last is chance, and so the last row's own estimate is biased low (with it,
-        draft_model at batch 8 ran 0.94-0.96x plain, against 0.975x counting tokens).
+        tokens they take off the drain beyond a plain step's one (:func:`~specjax.spec_decode.drain.drain_gains`).
         """
+        if remaining is not None:
+            return drain_gains(reach, cap_row, remaining, self.k_max)
         if not any(cap_row):  # a row drafts at some K >= 1 exactly when its cap is > 0 (and a plain step gains 0)
             return [0.0] + [math.nan] * self.k_max
-        # Row r's expected accepted drafts at K = k: sum_{j < min(k, cap_r)} reach[r][j], summed over rows (or
-        # over the drafting rows, draining).
+        # Row r's expected accepted drafts at K = k: sum_{j < min(k, cap_r)} reach[r][j], summed over rows.
         gains = [0.0] * (self.k_max + 1)
-        drafting = 0
         for row, cap in zip(reach, cap_row):
             if cap <= 0:
                 continue
-            drafting += 1
             total = 0.0
             for j in range(self.k_max):
                 if j < cap:
                     total += row[j]
                 gains[j + 1] += total
-        if remaining is None:
-            return gains
-        last_drafting = max((r for r, c in zip(remaining, cap_row) if c > 0), default=-math.inf)
-        last_other = max((r for r, c in zip(remaining, cap_row) if c <= 0), default=-math.inf)
-        last = max(last_drafting, last_other)
-        return [last - max(last_drafting - g / drafting, last_other) for g in gains]
+        return gains
 
     def _best_drafting(self, rows: int, n: float, gains: list[float], sampled: bool) -> tuple[int, float]:
         """The K >= 1 with the most expected tokens per second for ``n`` rows and that rate; (0, 0) when no
@@ -517,16 +504,23 @@ class SpeculationController:
         """Would ``num_rows`` rows like ``plan``'s (requests about to be prefilled) decode faster with the
         target alone in steps of ``rows``? Then their prefill runs detached and the proposer never sees them.
 
-        The same rates and margin as :meth:`decide`, with each row's gains scaled to ``num_rows`` rows.
+        The same rates and margin as :meth:`decide`, with each row's gains scaled to ``num_rows`` rows; where the
+        batch will drain (``plan.remaining``: no request waits beyond these), the drain's gains of ``num_rows``
+        rows like these (each standing for ``num_rows / len(plan.request_ids)`` of them), as its decoding steps
+        will count them (else a prefill would wait on a drafting K those steps never choose to measure).
         """
         n = len(plan.request_ids)
         if not self.can_detach or not n or self._learning_k(rows, num_rows, plan.caps, plan.sampled,
                                                             scale=num_rows / n):
             return False
-        gains = self._gains(plan.reach, plan.caps)
-        draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, num_rows,
-                                                                        [g * (num_rows / n) for g in gains],
-                                                                        plan.sampled)
+        if plan.remaining is None:
+            gains, tokens = [g * (num_rows / n) for g in self._gains(plan.reach, plan.caps)], num_rows
+        else:
+            like = [i % n for i in range(max(num_rows, n))]
+            gains = self._gains([plan.reach[i] for i in like], [plan.caps[i] for i in like],
+                                [plan.remaining[i] for i in like])
+            tokens = 1
+        draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, tokens, gains, plan.sampled)
         if not (self._detach_wins(draft_rate, attached_rate, detached_rate)
                 and not self._unmeasured(rows, draft_k, plan.sampled)):
             return False
