@@ -525,6 +525,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(draft_replan_every=True)
     with pytest.raises(ValueError, match="min_lookup_hits"):
         ControllerConfig(min_lookup_hits=-0.5)
+    with pytest.raises(ValueError, match="max_prior_strength"):
+        ControllerConfig(prior_strength=8.0, max_prior_strength=4.0)
     with pytest.raises(ValueError, match="adaptive"):
         specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive="yes")
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):

@@ -21,9 +21,11 @@ class AcceptanceStats:
     numpy call costs microseconds (several times its microbenchmark right after a step has streamed the
     weights through the caches) and a plan made ~15 of them."""
 
-    def __init__(self, k_max: int):
+    def __init__(self, k_max: int, sampled: bool | None = None):
         self.tried = [0] * k_max
         self.accepted = [0] * k_max
+        self.sampled = sampled
+        """A request's counts: it samples (None: not a request's)."""
         self.version = 0
         """Counts the observations (a cache key for values derived from the counts)."""
 
@@ -35,3 +37,26 @@ class AcceptanceStats:
         for i in range(num_accepted):
             accepted[i] += 1
         self.version += 1
+
+
+MIN_REQUESTS_FOR_SPREAD = 8
+"""Finished requests (with drafts verified) before their spread sets the prior's strength."""
+
+
+def prior_strength(requests: list[tuple[int, int]], floor: float, ceiling: float) -> float:
+    """How many pseudo-observations of the method's average acceptance a request's own estimate should weigh,
+    from finished requests' (accepted, tried) drafts (empirical Bayes, by moments): chance alone spreads their
+    rates by about ``p (1 - p) / tried`` around the method's ``p``; the spread beyond that, ``s^2``, is how much
+    requests really differ, and a Beta prior with that spread weighs ``p (1 - p) / s^2 - 1`` observations.
+    Within ``[floor, ceiling]``; ``floor`` until ``MIN_REQUESTS_FOR_SPREAD`` requests."""
+    rows = [(a, t) for a, t in requests if t > 0]
+    if len(rows) < MIN_REQUESTS_FOR_SPREAD:
+        return floor
+    p = sum(a for a, _ in rows) / sum(t for _, t in rows)
+    if not 0.0 < p < 1.0:
+        return ceiling  # every draft accepted, or none: requests do not differ
+    spread = sum((a / t - p) ** 2 for a, t in rows) / (len(rows) - 1)
+    chance = p * (1.0 - p) * sum(1.0 / t for _, t in rows) / len(rows)
+    if spread <= chance:
+        return ceiling
+    return min(ceiling, max(floor, p * (1.0 - p) / (spread - chance) - 1.0))

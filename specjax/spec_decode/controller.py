@@ -26,6 +26,7 @@ for ``probe_every`` decoding steps gets a one-draft probe; each probe doubles th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -33,9 +34,10 @@ import operator
 
 import numpy as np
 
-from specjax.spec_decode.acceptance import AcceptanceStats, upper_bound
+from specjax.spec_decode.acceptance import AcceptanceStats, prior_strength, upper_bound
 from specjax.spec_decode.costs import CostModel
 from specjax.spec_decode.drain import drain_gains
+from specjax.spec_decode.plan import Decision, RowCaps
 
 LEARN_DRAFTS_PER_REQUEST = 4
 """Verified drafts after which a request counts towards ``learn_requests``."""
@@ -46,7 +48,13 @@ class ControllerConfig:
     """Knobs of the adaptive controller (defaults are what ``"adaptive": true`` uses)."""
 
     prior_strength: float = 4.0
-    """Pseudo-observations of the method's running average in each request's estimate."""
+    """Pseudo-observations of the method's running average in each request's estimate, at least (see
+    ``max_prior_strength``)."""
+    max_prior_strength: float = 64.0
+    """At most this many: between the two, the weight the spread of the last 64 finished requests' acceptance
+    beyond chance gives (:func:`~specjax.spec_decode.acceptance.prior_strength`). Sampled drafts are noisy: the
+    shipped EAGLE-3 head at batch 1, T 0.8 saw requests' estimates swing from 0.3 to 0.8 at position 1 (the
+    method's 0.68) and detached requests whose drafts paid 1.2x the target alone."""
     initial_acceptance: float = 0.6
     """Per-position conditional acceptance assumed before any draft of the method was verified."""
     min_gain: float = 0.02
@@ -113,10 +121,14 @@ class ControllerConfig:
     recent such lookups found any (ngram at batch 1: about half of greedy lookups hit, ~5% at T 0.8)."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_strength", "min_gain", "min_speedup", "learn_z", "detach_z", "min_lookup_hits"):
+        for name in ("prior_strength", "max_prior_strength", "min_gain", "min_speedup", "learn_z", "detach_z",
+                     "min_lookup_hits"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.max_prior_strength < self.prior_strength:
+            raise ValueError(f"max_prior_strength must be >= prior_strength ({self.prior_strength}), got "
+                             f"{self.max_prior_strength!r}")
         if not (0.0 <= self.initial_acceptance <= 1.0):
             raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
         for name, low in (("cost_window", 1), ("cost_max_age", 0), ("learn_drafts", 0), ("learn_requests", 1),
@@ -125,46 +137,6 @@ class ControllerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-
-
-@dataclasses.dataclass
-class RowCaps:
-    """Per row of a decoding step: how far its drafts are worth verifying (before any drafts are looked up)."""
-
-    request_ids: list[str]
-    reach: list[list[float]]
-    """[R][K_max]: estimated P(draft j accepted), the expected gain of drafting position j."""
-    caps: list[int]
-    """[R]: drafts worth verifying (a probe counts one), within the row's limit."""
-    probing: list[bool]
-    """[R]: the row drafts only to re-test its estimate."""
-    sampled: bool
-    """Some row samples (its step kinds' costs are the sampled ones)."""
-    until_probe: int
-    """Decoding steps until the next of these rows falls due a probe (a large number when none will)."""
-    remaining: list[int] | None = None
-    """[R]: tokens each row may still generate, given when no request waits to take a finished row's
-    place (the batch is draining): a step is then worth how much it shortens the drain, not its tokens."""
-    row_sampled: list[bool] | None = None
-    """[R]: the row samples (None: every row as ``sampled``)."""
-
-
-@dataclasses.dataclass
-class Decision:
-    """One step's plan."""
-
-    k: int
-    """Drafts per row at most (0 = no drafts)."""
-    caps: np.ndarray
-    """int32 [R]: each row's draft cap (<= k)."""
-    detached: bool
-    """Run the target alone (proposer state of these rows goes stale); only for proposers that sync."""
-    hold: int = 0
-    """The next this-many decoding steps of the same rows may run this decision without planning
-    (:meth:`SpeculationController.held_step`): ``replan_every`` without drafts, ``draft_replan_every`` with."""
-    held: tuple[int, np.ndarray] | None = None
-    """(K, int32 caps [R]) the held steps run, where not this step's: one row whose host lookup found nothing
-    holds the plan a hit would have made (each held step verifies what its lookup finds)."""
 
 
 class SpeculationController:
@@ -177,6 +149,9 @@ class SpeculationController:
         self.costs = CostModel(config.cost_window, config.cost_max_age)
         self.method_stats = {False: AcceptanceStats(k_max), True: AcceptanceStats(k_max)}  # sampled -> stats
         self._request_stats: dict[str, AcceptanceStats] = {}
+        self._finished = {False: collections.deque(maxlen=64), True: collections.deque(maxlen=64)}  # sampled ->
+        # finished requests' (accepted, tried) drafts
+        self._strength = {False: config.prior_strength, True: config.prior_strength}  # see max_prior_strength
         self._idle_steps: dict[str, int] = {}
         self._probe_wait: dict[str, int] = {}
         self._detach_votes = 0
@@ -215,7 +190,7 @@ class SpeculationController:
         s = self._request_stats.get(request_id)
         if s is None:
             return None
-        m = self.config.prior_strength
+        m = self._strength[sampled]
         return [(a + m * p) / (t + m) for a, t, p in zip(s.accepted, s.tried, self._prior(sampled)[0])]
 
     def _reach(self, request_id: str, sampled: bool) -> list[float]:
@@ -238,14 +213,21 @@ class SpeculationController:
         if num_drafts <= 0:
             return
         self.method_stats[sampled].observe(num_drafts, num_accepted)
-        own = self._request_stats.setdefault(request_id, AcceptanceStats(self.k_max))
+        own = self._request_stats.get(request_id)
+        if own is None:
+            own = self._request_stats[request_id] = AcceptanceStats(self.k_max, sampled=sampled)
         own.observe(num_drafts, num_accepted)
         sources = self._learned_from[sampled]
         if len(sources) < self.config.learn_requests and own.tried[0] >= LEARN_DRAFTS_PER_REQUEST:
             sources.add(request_id)
 
     def finish(self, request_id: str) -> None:
-        self._request_stats.pop(request_id, None)
+        s = self._request_stats.pop(request_id, None)
+        if s is not None and s.sampled is not None:
+            done = self._finished[s.sampled]
+            done.append((sum(s.accepted), sum(s.tried)))
+            cfg = self.config
+            self._strength[s.sampled] = prior_strength(list(done), cfg.prior_strength, cfg.max_prior_strength)
         self._idle_steps.pop(request_id, None)
         self._probe_wait.pop(request_id, None)
 
@@ -589,4 +571,5 @@ class SpeculationController:
             "plain_step_share": float(self.k_histogram[0] / steps) if steps else 0.0,
             "num_detached_steps": self.num_detached_steps,
             "num_detached_prefills": self.num_detached_prefills,
+            "prior_strength": {"greedy": self._strength[False], "sampled": self._strength[True]},
         }
