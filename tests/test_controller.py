@@ -342,6 +342,20 @@ def test_where_only_lookup_misses_keep_steps_plain_a_plan_is_held_once_lookups_s
     assert c.decide(2, plan(), found=np.asarray([0, 0])).hold == 0  # a hit: lookups run every step again
 
 
+def test_lookup_miss_holds_double_while_planning_costs_more_than_max_planning_share_of_a_plain_step():
+    def holds(planning_seconds):
+        c = _controller({(2, k, False): 1.0 + 0.1 * k for k in range(K + 1)}, replan_every=4, min_lookup_hits=0.1,
+                        probe_every=0)
+        c.costs.observe_planning((2, False), planning_seconds)  # per attached step, against a 1 s plain step
+        _teach(c, "a", 0.9)
+        _teach(c, "b", 0.9)
+        plan = lambda: c.row_caps(["a", "b"], [False] * 2, np.asarray([K, K]), np.asarray([True] * 2))  # noqa: E731
+        return [c.decide(2, plan(), found=np.asarray([0, 0])).hold for _ in range(40)][35:]
+
+    assert holds(0.005) == [3] * 5  # planning 0.5% of a plain step: held replan_every steps
+    assert holds(0.05) == [3, 7, 15, 31, 31]  # 5%: twice as long for each such plan in a row, up to 8x
+
+
 def test_one_row_whose_lookup_found_nothing_holds_the_plan_a_hit_would_have_made():
     c = _controller(FLAT, probe_every=0, draft_replan_every=4)
     _teach(c, "a", 0.9)
@@ -525,6 +539,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(draft_replan_every=True)
     with pytest.raises(ValueError, match="min_lookup_hits"):
         ControllerConfig(min_lookup_hits=-0.5)
+    with pytest.raises(ValueError, match="max_planning_share"):
+        ControllerConfig(max_planning_share=-0.1)
     with pytest.raises(ValueError, match="max_prior_strength"):
         ControllerConfig(prior_strength=8.0, max_prior_strength=4.0)
     with pytest.raises(ValueError, match="adaptive"):

@@ -119,10 +119,15 @@ class ControllerConfig:
     min_lookup_hits: float = 0.1
     """A plan kept plain only because a host lookup found no drafts is held only while fewer than this share of
     recent such lookups found any (ngram at batch 1: about half of greedy lookups hit, ~5% at T 0.8)."""
+    max_planning_share: float = 0.01
+    """Where only a host lookup's misses keep steps plain and lookups seldom hit, such a plan is held for
+    ``replan_every`` steps, and twice as long for each such plan in a row for the same rows (up to 8x) while the
+    controller's planning costs more than this share of a plain step (ngram at batch 1, T 0.8 on the shipped
+    target: a plan with its lookup every 8 steps, ~0.33 ms each in a ~2 ms step, read 0.93-0.97x plain)."""
 
     def __post_init__(self) -> None:
         for name in ("prior_strength", "max_prior_strength", "min_gain", "min_speedup", "learn_z", "detach_z",
-                     "min_lookup_hits"):
+                     "min_lookup_hits", "max_planning_share"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -335,10 +340,15 @@ class SpeculationController:
                 # Only the lookup's misses kept this step plain, and the next lookup may hit: skip lookups only
                 # for a method whose lookups seldom find drafts (their host time would not pay).
                 self.lookup_hit_rate += (float(any(cap_row)) - self.lookup_hit_rate) / 16
-                # (Held no longer than replan_every: a lookup that hits after the text turns repetitive drafts,
-                # and on a large model a hit is worth far more than a lookup costs: doubling these holds, SmolLM2
-                # ngram at batch 1 greedy drafted in 1% of steps, 1.01x plain, fixed K = 2 1.26x.)
-                limit = cfg.replan_every - 1 if self.lookup_hit_rate < cfg.min_lookup_hits else 0
+                # (Held for replan_every steps: a lookup that hits after the text turns repetitive drafts, and on a
+                # large model a hit is worth far more than a lookup costs: doubling these holds, SmolLM2 ngram at
+                # batch 1 greedy drafted in 1% of steps, 1.01x plain, fixed K = 2 1.26x. Longer only while
+                # planning costs more than max_planning_share of a plain step.)
+                limit = 0
+                if self.lookup_hit_rate < cfg.min_lookup_hits:
+                    limit = cfg.replan_every << (min(self._held_plans, 3) if self._planning_dear(rows, plan.sampled)
+                                                 else 0)
+                    limit -= 1
                 if not limit and one_lookup:
                     held, limit = self._hit_plan(plan, k_found), cfg.draft_replan_every - 1
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
@@ -356,6 +366,12 @@ class SpeculationController:
         held_caps = caps if held is None else held[1]
         self._held_idle = [rid for rid, c in zip(plan.request_ids, held_caps) if not c] if hold else []
         return Decision(k=k, caps=np.array(caps, np.int32), detached=detached, hold=hold, held=held)
+
+    def _planning_dear(self, rows: int, sampled: bool) -> bool:
+        """The controller's planning costs more per attached step of the bucket than ``max_planning_share`` of a
+        plain step."""
+        planning = self.costs.planning(rows, sampled)
+        return planning > self.config.max_planning_share * (self.costs.estimate(rows, 0, False, sampled) - planning)
 
     @staticmethod
     def _hit_plan(plan: RowCaps, k: int) -> tuple[int, np.ndarray]:
