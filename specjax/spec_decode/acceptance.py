@@ -39,6 +39,21 @@ class AcceptanceStats:
         self.version += 1
 
 
+def expected_accepted_sums(reach: list[list[float]], cap_row: list[int], k_max: int) -> list[float]:
+    """[k_max + 1]: for K = 0..k_max, the expected accepted drafts summed over rows, row r drafting
+    ``min(K, cap_row[r])`` with P(draft j + 1 accepted) = ``reach[r][j]``."""
+    sums = [0.0] * (k_max + 1)
+    for row, cap in zip(reach, cap_row):
+        if cap <= 0:
+            continue
+        total = 0.0
+        for j in range(k_max):
+            if j < cap:
+                total += row[j]
+            sums[j + 1] += total
+    return sums
+
+
 MIN_REQUESTS_FOR_SPREAD = 8
 """Finished requests (with drafts verified) before their spread sets the prior's strength."""
 

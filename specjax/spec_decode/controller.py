@@ -34,7 +34,8 @@ import operator
 
 import numpy as np
 
-from specjax.spec_decode.acceptance import AcceptanceStats, prior_strength, upper_bound
+from specjax.spec_decode.acceptance import (AcceptanceStats, expected_accepted_sums, prior_strength,
+                                               upper_bound)
 from specjax.spec_decode.costs import CostModel
 from specjax.spec_decode.drain import drain_gains
 from specjax.spec_decode.plan import Decision, RowCaps
@@ -427,17 +428,7 @@ class SpeculationController:
             return drain_gains(reach, cap_row, remaining, self.k_max)
         if not any(cap_row):  # a row drafts at some K >= 1 exactly when its cap is > 0 (and a plain step gains 0)
             return [0.0] + [math.nan] * self.k_max
-        # Row r's expected accepted drafts at K = k: sum_{j < min(k, cap_r)} reach[r][j], summed over rows.
-        gains = [0.0] * (self.k_max + 1)
-        for row, cap in zip(reach, cap_row):
-            if cap <= 0:
-                continue
-            total = 0.0
-            for j in range(self.k_max):
-                if j < cap:
-                    total += row[j]
-                gains[j + 1] += total
-        return gains
+        return expected_accepted_sums(reach, cap_row, self.k_max)
 
     def _best_drafting(self, rows: int, n: float, gains: list[float], sampled: bool) -> tuple[int, float]:
         """The K >= 1 with the most expected tokens per second for ``n`` rows and that rate; (0, 0) when no

@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+from specjax.spec_decode.acceptance import expected_accepted_sums
+
 _SQRT2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -99,14 +101,7 @@ def drain_gains(reach: list[list[float]], cap_row: list[int], remaining: list[in
     last_drafting = max(remaining[r] for r in drafting)
     last_other = max((m for m, c in zip(remaining, cap_row) if c <= 0), default=-math.inf)
     last = max(last_drafting, last_other)
-    # Expected accepted drafts at K summed over the drafting rows (row r drafting min(K, cap_r)).
-    accepted = [0.0] * (k_max + 1)
-    for r in drafting:
-        total, row, cap = 0.0, reach[r], cap_row[r]
-        for j in range(k_max):
-            if j < cap:
-                total += row[j]
-            accepted[j + 1] += total
+    accepted = expected_accepted_sums(reach, cap_row, k_max)  # summed over the drafting rows
     rows: dict[tuple[int, int], int] = {}
     for r in drafting:
         key = (remaining[r], cap_row[r])
