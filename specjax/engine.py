@@ -479,8 +479,12 @@ class Engine:
         c, table = self.controller, self.scheduler.slots
         if c is None or not self.proposer.syncs:
             return False
-        if any(r.num_new == 1 and r.request.output_token_ids and table.synced[r.request.slot] for r in rows):
+        decoding = [r.num_new == 1 and bool(r.request.output_token_ids) for r in rows]
+        if any(d and table.synced[r.request.slot] for d, r in zip(decoding, rows)):
             return False
+        # The plan holds the requests being prefilled, not the (detached) rows decoding beside them: it stands for
+        # requests like these, and the controller counts them towards its next exploring prefill.
+        rows = [r for d, r in zip(decoding, rows) if not d]
         sched = self.scheduler
         expected = min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
         limits = np.asarray([min(self.k_max, r.request.params.max_tokens - 1) for r in rows]).clip(0)

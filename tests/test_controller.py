@@ -652,6 +652,32 @@ def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(targ
     assert m["num_detached_steps"] > 0 and m["num_detached_prefills"] == 0
 
 
+def test_a_prefill_plan_holds_only_the_requests_being_prefilled(target_dir, draft_dir):
+    """Detached rows decode beside a later request's prefill: the plan stands for the new request alone, so the
+    explore_every count is of requests prefilled (it counted the decoding rows too, and eagle3 at batch 32
+    explored every ~3 batches instead of every 16)."""
+    llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
+                      warmup=False, **{**KW, "max_num_seqs": 2})
+    c = llm.engine.controller
+    _dear_drafting(c)
+    _learned(c)
+    plans, prefers_plain = [], c.prefers_plain
+
+    def spy(rows, plan, num_rows):
+        decoding = {r.request_id for r in llm.engine.scheduler.running if r.output_token_ids}
+        plans.append((list(plan.request_ids), decoding))
+        return prefers_plain(rows, plan, num_rows)
+
+    c.prefers_plain = spy
+    # Two slots, three requests: the third is prefilled beside a row that decodes detached.
+    llm.generate(_prompts(4, [6, 5, 9]), [specjax.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                          for n in (4, 20, 8)])
+    assert llm.get_metrics()["num_detached_prefills"] == len(plans) >= 2
+    assert any(decoding for _, decoding in plans)  # a prefill step with a decoding row beside it happened
+    for ids, decoding in plans:
+        assert ids and not set(ids) & decoding
+    assert sum(len(ids) for ids, _ in plans) == 3 == c._detached_prefill_votes
+
 def test_engine_plans_a_step_kept_plain_once_per_replan_every_steps(target_dir):
     """ngram cannot detach: where drafting cannot pay every step is an attached plain one, and the controller's
     plan (host lookup included) serves replan_every steps of the same rows; output as plain decoding's."""
