@@ -7,8 +7,9 @@ ignore_eos) in interleaved rounds, every other round in reverse order: plain dec
 controller (``"adaptive": true``, K <= 4), static K in ``--static-ks`` (``"adaptive": false``) and, unless
 ``--no-control``, a second plain LLM (``control``): its ratio to plain is the run's noise floor, what a system
 exactly as fast as plain decoding reads in this run (on this 2-core machine a second plain LLM read
-0.99-1.03x plain in one-load runs of 6-11 rounds). Every LLM is
-built and compiled first (``warmup=True``, which also times each step kind for the controller); one untimed run
+0.99-1.03x plain in one-load runs of 6-11 rounds). A method's LLMs are built and compiled before its loads
+(``warmup=True``, which also times each step kind for the controller), plain first and the control last, and
+freed after them; one untimed run
 per system and load, then ``--reps`` rounds (``--batch1-reps`` at batch 1). Reported: tokens/s (median),
 speed-up over plain (the median over rounds of each round's ratio), and for adaptive its chosen-K histogram and
 shares of drafting and of detached steps; with the control, also the adaptive system against both plain LLMs
@@ -153,25 +154,30 @@ def main() -> None:
         ap.error(f"unknown --methods {sorted(unknown)}; known: {sorted(METHODS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
-    t0 = time.perf_counter()
-    plain = build(args, None)
-    control = {"control": build(args, None)} if args.control else {}
-    n_prompts = max(max(args.batches), args.batch1_prompts)
-    prompts = (token_prompts(plain.tokenizer, n_prompts, args.prompt_len) if args.prompts == "stdlib"
-               else selfgen_prompts(args.model, n_prompts, args.prompt_len))
-    compile_s = time.perf_counter() - t0
-    results = []
+    prompts, compile_s, results = None, 0.0, []
     for method in args.methods:
         # One method's systems alive at a time: each LLM keeps dozens of executables loaded, and XLA:CPU's
-        # code memory ran out with all of them at once (LLVM "Cannot allocate memory", 2026-12-03).
+        # code memory ran out with all of them at once (LLVM "Cannot allocate memory", 2026-12-03). The plain
+        # LLMs are built with each method's systems, plain first and the control last: an LLM's speed here
+        # depends on when it was built (four plain LLMs built in a row stepped 3.21 / 3.21 / 3.17 / 3.16 ms;
+        # eagle3 built after draft_model's systems were freed ran its detached batch-32 load 0.95-0.98x a plain
+        # LLM built at the start, 0.99-1.01x in a process of its own), so plain and control bracket the others.
         t0 = time.perf_counter()
         base = dict(METHODS[method])
-        llms = {"plain": plain, **control, "adaptive": build(args, {**base, "num_speculative_tokens": args.k_max,
-                                                         "adaptive": True})}
+        llms = {"plain": build(args, None), "adaptive": build(args, {**base, "num_speculative_tokens": args.k_max,
+                                                                     "adaptive": True})}
         for k in args.static_ks:
             llms[f"K={k}"] = build(args, {**base, "num_speculative_tokens": k, "adaptive": False})
+        if args.control:
+            llms["control"] = build(args, None)
+        llms = {"plain": llms["plain"], **({"control": llms["control"]} if args.control else {}),
+                **{n: llm for n, llm in llms.items() if n not in ("plain", "control")}}  # table order
         compile_s += time.perf_counter() - t0
-        logger.info("%s: built and compiled %d systems in %.0fs", method, len(llms) - 1, time.perf_counter() - t0)
+        if prompts is None:
+            n_prompts = max(max(args.batches), args.batch1_prompts)
+            prompts = (token_prompts(llms["plain"].tokenizer, n_prompts, args.prompt_len) if args.prompts == "stdlib"
+                       else selfgen_prompts(args.model, n_prompts, args.prompt_len))
+        logger.info("%s: built and compiled %d systems in %.0fs", method, len(llms), time.perf_counter() - t0)
         names = list(llms)
         for batch in args.batches:
             for temperature in args.temperatures:
