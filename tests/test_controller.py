@@ -160,6 +160,23 @@ def test_detaching_waits_for_a_real_measurement_of_the_drafting_step_it_beats():
     assert not any(_decide(cheap, 1, ["a"], [False], [K], [True]).detached for _ in range(4))
 
 
+def test_a_prefill_detaches_once_any_drafting_k_of_the_bucket_ran_for_real():
+    # At acceptance 0.1 a new request's best drafting K is the cheapest (1), but the decoding steps measured only
+    # K = 4 (a draining batch's best can differ): that real measurement scales the other kinds, and the prefill
+    # no longer waits on K = 1, which no decoding step would run (else every prefill stays attached).
+    c = SpeculationController(K, ControllerConfig(detach_after=2, learn_requests=1), can_detach=True)
+    for k in range(K + 1):
+        c.costs.observe((1, k, False, False), 1.0 + 0.5 * k, warmup=True)
+    c.costs.observe((1, 0, True, False), 0.5, warmup=True)
+    c.costs.observe((1, 0, True, False), 1.0)
+    _teach(c, "a", 0.1)
+    new = c.row_caps(["new"], [False], np.asarray([K]), np.asarray([True]))
+    assert not c.prefers_plain(1, new, 1)
+    c.costs.observe((1, K, False, False), c.costs.estimate(1, K, False))
+    assert not c.costs.seen((1, 1, False, False)) and c.prefers_plain(1, new, 1)
+    assert not c.prefers_plain(2, new, 2)  # per bucket: nothing measured at 2 rows
+
+
 def test_a_kind_not_chosen_for_cost_max_age_steps_falls_back_to_its_scaled_warmup_time():
     for max_age, expected in ((16, 2.0), (0, 9.0)):
         c = _controller({}, cost_max_age=max_age)

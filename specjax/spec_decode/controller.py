@@ -405,6 +405,14 @@ class SpeculationController:
         real measurements expired counts as measured (it keeps its relation, see ``CostModel``)."""
         return k > 0 and not self.costs.seen((rows, k, False, sampled))
 
+    def _no_drafting_measured(self, rows: int, sampled: bool) -> bool:
+        """No drafting K ran in a real step of this bucket: every drafting cost is warmup's (see
+        :meth:`_unmeasured`). A prefill's vote to detach waits on one real drafting step, not on its own best K:
+        the other drafting kinds are then scaled like it, and its best K need not be the decoding steps' (eagle3,
+        batch 32, greedy: new requests' best was K = 1, the draining rows' K = 2, so only K = 2 was ever
+        measured, and every prefill ran attached, 0.91x plain)."""
+        return not any(self.costs.seen((rows, k, False, sampled)) for k in range(1, self.k_max + 1))
+
     def _explore(self, rows: int, k: int, cap_row: list[int], sampled: bool) -> int:
         """``k``, or a neighbouring drafting K whose cost was not measured in a real step for ``cost_max_age``
         steps of the bucket (once per that many steps each): warmup's all-padding steps time each kind only
@@ -511,7 +519,7 @@ class SpeculationController:
             tokens = 1
         draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, tokens, gains, plan.sampled)
         if not (self._detach_wins(draft_rate, attached_rate, detached_rate)
-                and not self._unmeasured(rows, draft_k, plan.sampled)):
+                and not (draft_k and self._no_drafting_measured(rows, plan.sampled))):
             return False
         # Exploring costs the whole batch (its steps run attached until the vote detaches again): once per
         # explore_every batches' worth of requests.
