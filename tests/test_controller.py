@@ -9,6 +9,7 @@ import pytest
 import specjax
 from specjax.buckets import count_compiles
 from specjax.spec_decode.controller import LEARN_DRAFTS_PER_REQUEST, ControllerConfig, SpeculationController
+from specjax.spec_decode.plan import RowCaps
 from tiny_models import make_tiny_checkpoint
 
 K = 4
@@ -135,17 +136,22 @@ def test_a_few_failed_drafts_do_not_detach_a_request_while_the_methods_drafts_pa
     assert fails(2.0, 12)
 
 
-def test_detaching_waits_for_a_real_measurement_of_the_drafting_step_it_beats():
-    # Warmup timed every kind; real steps so far only the target alone (2x its warmup time), so drafting is
-    # estimated at its warmup time x 2. Drafting loses (acceptance 0.1), but detaching cannot be undone: the
-    # vote first runs the drafting K once, and new requests are prefilled attached until then.
+def _warmup_timed() -> tuple[SpeculationController, RowCaps]:
+    """Warmup timed every kind at 1 row; real steps so far only the target alone (2x its warmup time), so
+    drafting is estimated at its warmup time x 2; the method's acceptance is 0.1. Also a new request's plan."""
     c = SpeculationController(K, ControllerConfig(detach_after=2, learn_requests=1), can_detach=True)
     for k in range(K + 1):
         c.costs.observe((1, k, False, False), 1.0 + 0.5 * k, warmup=True)
     c.costs.observe((1, 0, True, False), 0.5, warmup=True)
     c.costs.observe((1, 0, True, False), 1.0)
     _teach(c, "a", 0.1)
-    new = c.row_caps(["new"], [False], np.asarray([K]), np.asarray([True]))
+    return c, c.row_caps(["new"], [False], np.asarray([K]), np.asarray([True]))
+
+
+def test_detaching_waits_for_a_real_measurement_of_the_drafting_step_it_beats():
+    # Drafting loses (acceptance 0.1), but detaching cannot be undone: the vote first runs the drafting K once,
+    # and new requests are prefilled attached until then.
+    c, new = _warmup_timed()
     assert not c.prefers_plain(1, new, 1)
     cheap = copy.deepcopy(c)
     first = _decide(c, 1, ["a"], [False], [K], [True])
@@ -164,13 +170,7 @@ def test_a_prefill_detaches_once_any_drafting_k_of_the_bucket_ran_for_real():
     # At acceptance 0.1 a new request's best drafting K is the cheapest (1), but the decoding steps measured only
     # K = 4 (a draining batch's best can differ): that real measurement scales the other kinds, and the prefill
     # no longer waits on K = 1, which no decoding step would run (else every prefill stays attached).
-    c = SpeculationController(K, ControllerConfig(detach_after=2, learn_requests=1), can_detach=True)
-    for k in range(K + 1):
-        c.costs.observe((1, k, False, False), 1.0 + 0.5 * k, warmup=True)
-    c.costs.observe((1, 0, True, False), 0.5, warmup=True)
-    c.costs.observe((1, 0, True, False), 1.0)
-    _teach(c, "a", 0.1)
-    new = c.row_caps(["new"], [False], np.asarray([K]), np.asarray([True]))
+    c, new = _warmup_timed()
     assert not c.prefers_plain(1, new, 1)
     c.costs.observe((1, K, False, False), c.costs.estimate(1, K, False))
     assert not c.costs.seen((1, 1, False, False)) and c.prefers_plain(1, new, 1)
