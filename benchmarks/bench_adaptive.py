@@ -164,18 +164,16 @@ def main() -> None:
         # LLM built at the start, 0.99-1.01x in a process of its own), so plain and control bracket the others.
         t0 = time.perf_counter()
         base = dict(METHODS[method])
-        llms = {"plain": build(args, None), "adaptive": build(args, {**base, "num_speculative_tokens": args.k_max,
-                                                                     "adaptive": True})}
+        plain = build(args, None)
+        systems = {"adaptive": build(args, {**base, "num_speculative_tokens": args.k_max, "adaptive": True})}
         for k in args.static_ks:
-            llms[f"K={k}"] = build(args, {**base, "num_speculative_tokens": k, "adaptive": False})
-        if args.control:
-            llms["control"] = build(args, None)
-        llms = {"plain": llms["plain"], **({"control": llms["control"]} if args.control else {}),
-                **{n: llm for n, llm in llms.items() if n not in ("plain", "control")}}  # table order
+            systems[f"K={k}"] = build(args, {**base, "num_speculative_tokens": k, "adaptive": False})
+        control = {"control": build(args, None)} if args.control else {}
+        llms = {"plain": plain, **control, **systems}
         compile_s += time.perf_counter() - t0
         if prompts is None:
             n_prompts = max(max(args.batches), args.batch1_prompts)
-            prompts = (token_prompts(llms["plain"].tokenizer, n_prompts, args.prompt_len) if args.prompts == "stdlib"
+            prompts = (token_prompts(plain.tokenizer, n_prompts, args.prompt_len) if args.prompts == "stdlib"
                        else selfgen_prompts(args.model, n_prompts, args.prompt_len))
         logger.info("%s: built and compiled %d systems in %.0fs", method, len(llms), time.perf_counter() - t0)
         names = list(llms)
@@ -237,7 +235,7 @@ def main() -> None:
                 logger.info("%s batch %d T=%.1f: adaptive %.2fx, best static %s %.2fx", method, batch, temperature,
                             row["systems"]["adaptive"]["speedup"], best, static[best])
                 results.append(row)
-        del llms
+        del llms, plain, systems, control
         gc.collect()
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "args": {k: str(v) if isinstance(v, Path)
            else v for k, v in vars(args).items()}, "compile_s": compile_s, "results": results,
