@@ -16,6 +16,11 @@ Every projection then runs :func:`matmul_p`, the C++ panel kernel (``models/cpu_
 reads each weight once per step whatever the number of rows, so a (K+1)-token verify costs about what a
 one-token step does (benchmarks/README.md, "Verify cost on CPU"). The engine converts an unsharded model on
 CPU devices at load when the kernel is available (``specjax.backends.use_cpu_weight_layout``).
+
+Panels keep a float32 weight in bfloat16 when every value of it is one (a bfloat16 checkpoint upcast at load,
+as every shipped model is): the kernel widens each weight back to the same float32 and runs the same
+multiply-adds, so logits are bit-identical while a step streams half the bytes (the shipped 7.5M target's
+weights, 29 MiB in float32, then fit the last-level cache). Activations stay in the params' dtype.
 """
 
 from __future__ import annotations
@@ -36,58 +41,77 @@ def matmul_p(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None) -> 
     return _pm.panel_matmul(x, w_p, n, out_dtype=out_dtype)
 
 
-def embedding_rows(embed: Mapping[str, Any], tokens: jax.Array) -> jax.Array:
-    """int tokens ``[B, T]`` -> rows ``[B, T, D]`` of an ``embed_tokens`` entry in either layout (ids clipped)."""
+def embedding_rows(embed: Mapping[str, Any], tokens: jax.Array, dtype: Any = None) -> jax.Array:
+    """int tokens ``[B, T]`` -> rows ``[B, T, D]`` of an ``embed_tokens`` entry in either layout (ids clipped), in
+    ``dtype`` (default: the entry's; panels may hold a float32 model's weights in bfloat16, module docstring)."""
     if "embedding_p" in embed:
-        return _pm.rows(embed["embedding_p"], tokens)
-    return jax.numpy.take(embed["embedding"], tokens, axis=0, mode="clip")
+        out = _pm.rows(embed["embedding_p"], tokens)
+    else:
+        out = jax.numpy.take(embed["embedding"], tokens, axis=0, mode="clip")
+    return out if dtype is None else out.astype(dtype)
+
+
+def narrowed(w: np.ndarray) -> np.ndarray:
+    """``w`` in bfloat16 if it is float32 and every value is exactly a bfloat16 (low 16 bits zero), else ``w``.
+
+    Exact both ways, so the panel kernel computes the same products from either."""
+    if w.dtype != np.float32:
+        return w
+    bits = np.ascontiguousarray(w).view(np.uint32)
+    if np.any(bits.reshape(-1)[:4096] & 0xFFFF) or np.any(bits & 0xFFFF):  # a sample first: most fp32 models fail it
+        return w
+    return (bits >> 16).astype(np.uint16).view(jax.numpy.bfloat16)
+
+
+def panels(*mats: Any) -> jax.Array:
+    """Output-major ``[N_i, K]`` matrices stacked -> panels ``[P, K, C]`` (:func:`narrowed` storage)."""
+    return jax.numpy.asarray(_pm.pack(narrowed(np.concatenate([np.asarray(m) for m in mats], axis=0))))
+
+
+def output_major(a: Any, rows: int) -> np.ndarray:
+    """A checkpoint kernel ``[in..., out...]`` with ``rows`` input elements -> ``[out, in]``."""
+    return np.asarray(a).reshape(rows, -1).T
+
+
+def layer_to_cpu_layout(sub: Mapping[str, Any]) -> dict:
+    """One decoder layer's params (``models.llama.DecoderLayer`` names, also a draft head's layer) -> the
+    derived layout: q/k/v fused (+ their biases), o_proj, gate/up fused, down_proj as panels; the rest kept."""
+    attn, mlp = sub["self_attn"], sub["mlp"]
+    qkv = {"kernel_p": panels(*(output_major(attn[p]["kernel"], np.shape(attn[p]["kernel"])[0])
+                                for p in ("q_proj", "k_proj", "v_proj")))}
+    if "bias" in attn["q_proj"]:
+        qkv["bias"] = jax.numpy.asarray(np.concatenate(
+            [np.asarray(attn[p]["bias"]).reshape(-1) for p in ("q_proj", "k_proj", "v_proj")]))
+    o_kernel = attn["o_proj"]["kernel"]  # [H, E, D]
+    new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_p": panels(output_major(o_kernel, np.prod(np.shape(o_kernel)[:2])))}}
+    new_attn.update({k: v for k, v in attn.items() if k not in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    if "bias" in attn["o_proj"]:
+        new_attn["o_proj"]["bias"] = attn["o_proj"]["bias"]
+    new_mlp = {
+        "gate_up_proj": {"kernel_p": panels(output_major(mlp["gate_proj"]["kernel"], np.shape(mlp["gate_proj"]["kernel"])[0]),
+                                            output_major(mlp["up_proj"]["kernel"], np.shape(mlp["up_proj"]["kernel"])[0]))},
+        "down_proj": {"kernel_p": panels(output_major(mlp["down_proj"]["kernel"], np.shape(mlp["down_proj"]["kernel"])[0]))},
+    }
+    return {**{k: v for k, v in sub.items() if k not in ("self_attn", "mlp")}, "self_attn": new_attn, "mlp": new_mlp}
 
 
 def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig) -> dict:
-    """The derived CPU layout (module docstring) of a checkpoint-layout param tree; same dtypes.
+    """The derived CPU layout (module docstring) of a checkpoint-layout param tree.
 
-    Norms, biases and an untied embedding are kept. :func:`models.llama.forward`, ``lm_head_logits`` and
-    ``DecoderLayer`` run either layout and give the same logits up to float rounding. Built on the host
-    (numpy) once at load; it copies the weights, so drop the checkpoint tree afterwards. For a single device
-    (the CPU engine): panels are not laid out for tensor-parallel sharding.
+    Norms, biases and an untied embedding are kept; panels are :func:`narrowed`. :func:`models.llama.forward`,
+    ``lm_head_logits`` and ``DecoderLayer`` run either layout and give the same logits up to float rounding.
+    Built on the host (numpy) once at load; it copies the weights, so drop the checkpoint tree afterwards. For a
+    single device (the CPU engine): panels are not laid out for tensor-parallel sharding.
     """
-    h, e = config.num_attention_heads, config.head_dim
-    d, f = config.hidden_size, config.intermediate_size
+    d = config.hidden_size
     if is_cpu_layout(params):
         raise ValueError("params are already in the CPU layout")
-
-    def t(a, rows: int) -> np.ndarray:  # [in..., out...] with `rows` input elements -> [out, in]
-        return np.asarray(a).reshape(rows, -1).T
-
-    def panels(*mats: np.ndarray) -> jax.Array:  # output-major matrices stacked -> [P, K, C]
-        return jax.numpy.asarray(_pm.pack(np.concatenate(mats, axis=0)))
-
-    out: dict[str, Any] = {}
-    for name, sub in params.items():
-        if not name.startswith("layers_"):
-            out[name] = sub
-            continue
-        attn, mlp = sub["self_attn"], sub["mlp"]
-        qkv = {"kernel_p": panels(*(t(attn[p]["kernel"], d) for p in ("q_proj", "k_proj", "v_proj")))}
-        if config.attention_bias:
-            qkv["bias"] = jax.numpy.asarray(np.concatenate(
-                [np.asarray(attn[p]["bias"]).reshape(-1) for p in ("q_proj", "k_proj", "v_proj")]))
-        new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_p": panels(t(attn["o_proj"]["kernel"], h * e))}}
-        if "bias" in attn["o_proj"]:
-            new_attn["o_proj"]["bias"] = attn["o_proj"]["bias"]
-        for norm in ("q_norm", "k_norm"):
-            if norm in attn:
-                new_attn[norm] = attn[norm]
-        new_mlp = {
-            "gate_up_proj": {"kernel_p": panels(t(mlp["gate_proj"]["kernel"], d), t(mlp["up_proj"]["kernel"], d))},
-            "down_proj": {"kernel_p": panels(t(mlp["down_proj"]["kernel"], f))},
-        }
-        out[name] = {**{k: v for k, v in sub.items() if k not in ("self_attn", "mlp")},
-                     "self_attn": new_attn, "mlp": new_mlp}
+    out: dict[str, Any] = {name: layer_to_cpu_layout(sub) if name.startswith("layers_") else sub
+                           for name, sub in params.items()}
     if "lm_head" in params:
-        out["lm_head"] = {"kernel_p": panels(t(params["lm_head"]["kernel"], d))}
+        out["lm_head"] = {"kernel_p": panels(output_major(params["lm_head"]["kernel"], d))}
     elif config.tie_word_embeddings:  # one copy: the panels serve the lookups and the head
-        out["embed_tokens"] = {"embedding_p": panels(np.asarray(params["embed_tokens"]["embedding"]))}
+        out["embed_tokens"] = {"embedding_p": panels(params["embed_tokens"]["embedding"])}
     return out
 
 

@@ -60,8 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.cpu_layout import layer_to_cpu_layout, matmul_p, output_major, panels
 from models.llama import (MLP, LlamaConfig, RMSNorm, _freeze, _OutProj, _Proj, apply_rope, embedding_rows,
-                          lm_head_logits, rope_inv_freq)
+                          fused_qkv, lm_head_logits, rope_inv_freq)
 
 HEAD_METHODS = ("eagle", "eagle3", "mtp", "medusa")
 FUSION_METHODS = ("eagle", "eagle3", "mtp")
@@ -239,8 +240,32 @@ class HeadConfig:
 # --------------------------------------------------------------------------- modules
 
 
-def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:  # [B, T, I] x [I, O] -> [B, T, O]
-    return jnp.einsum("bti,io->bto", x, kernel.astype(x.dtype))
+def _dense(x: jax.Array, entry: Mapping[str, Any], features: int) -> jax.Array:  # [B, T, I] -> [B, T, O]
+    """``x`` through a dense entry: ``kernel [I, O]`` or, in the derived CPU layout, ``kernel_p`` panels of [O, I]
+    (``features`` = O); plus ``bias [O]`` if present."""
+    if "kernel_p" in entry:
+        y = matmul_p(x, entry["kernel_p"], features)
+    else:
+        y = jnp.einsum("bti,io->bto", x, entry["kernel"].astype(x.dtype))
+    return y + entry["bias"].astype(y.dtype) if "bias" in entry else y
+
+
+class _FC(nn.Module):
+    """The entry fusion ``fc`` (nn.Dense's param names and init; also reads the derived CPU layout)."""
+
+    features: int
+    use_bias: bool
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, I] -> [B, T, O]
+        if self.has_variable("params", "kernel_p"):
+            return _dense(x, self.variables["params"], self.features)
+        entry = {"kernel": self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features),
+                                      self.param_dtype)}
+        if self.use_bias:
+            entry["bias"] = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+        return _dense(x, entry, self.features)
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -274,10 +299,14 @@ class _HeadAttention(nn.Module):
 
     def qkv(self, x: jax.Array, positions: jax.Array):
         """x [B, T, I] -> RoPE'd q [B, T, H, E], k [B, T, G, E] and v [B, T, G, E]."""
-        inv_freq = rope_inv_freq(self.config)
-        q = apply_rope(self.q_proj(x), positions, inv_freq)
-        k = apply_rope(self.k_proj(x), positions, inv_freq)
-        return q, k, self.v_proj(x)
+        c = self.config
+        if self.has_variable("params", "qkv_proj"):  # derived CPU layout: one product
+            q, k, v = fused_qkv(x, self.get_variable("params", "qkv_proj"), c.num_attention_heads,
+                                c.num_key_value_heads, c.head_dim)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        inv_freq = rope_inv_freq(c)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def out(self, attn: jax.Array) -> jax.Array:  # [B, T, H, E] -> [B, T, D]
         return self.o_proj(attn)
@@ -336,8 +365,7 @@ class FusionHead(nn.Module):
             self.enorm = RMSNorm(c.rms_norm_eps, pd)
             self.hnorm = RMSNorm(c.rms_norm_eps, pd)
         if c.layout != "eagle3":
-            self.fc = nn.Dense(c.hidden_size, use_bias=c.fc_bias, kernel_init=nn.initializers.normal(0.02),
-                               param_dtype=pd)  # kernel [2D, D]
+            self.fc = _FC(c.hidden_size, c.fc_bias, pd)  # kernel [2D, D]
         self.layer = _HeadLayer(c, pd)
 
     def _entries(self, embeds, features, positions):
@@ -379,6 +407,24 @@ class FusionHead(nn.Module):
         return self.layer.finish(residual, masked_attention(q, keys, values, mask)), k, v
 
 
+def head_to_cpu_layout(params: Mapping[str, Any], config: HeadConfig) -> dict:
+    """A fusion head's params in the derived CPU layout of :mod:`models.cpu_layout` (its layer's projections,
+    ``fc`` / ``fc_aux`` and a draft-vocabulary ``lm_head`` as panels), for a head beside a target in that
+    layout: a verify step's entries then stream each head weight once, narrowed like the target's. Medusa heads
+    are returned as given (their blocks keep XLA's dots)."""
+    if not config.is_fusion:
+        return dict(params)
+    if "qkv_proj" in params["layer"]["self_attn"]:
+        raise ValueError("head params are already in the CPU layout")
+    out = {**params, "layer": layer_to_cpu_layout(params["layer"])}
+    for name in ("fc", "fc_aux", "lm_head"):
+        if name in params:
+            kernel = params[name]["kernel"]  # [I, O]
+            out[name] = {**{k: v for k, v in params[name].items() if k != "kernel"},
+                         "kernel_p": panels(output_major(kernel, np.shape(kernel)[0]))}
+    return out
+
+
 # --------------------------------------------------------------------------- functional API
 
 
@@ -386,14 +432,15 @@ def combine_hidden_states(params: Mapping[str, Any], features: jax.Array, *, con
     """Target features [B, T, F] -> the head's feature space [B, T, D] (EAGLE-3's fc_aux; identity otherwise)."""
     if config.method != "eagle3":
         return features
-    out = _dense(features, params["fc_aux"]["kernel"])
-    return out + params["fc_aux"]["bias"].astype(out.dtype) if config.fc_bias else out
+    return _dense(features, params["fc_aux"], config.hidden_size)
 
 
 def head_embed(params, target_params, tokens: jax.Array, *, config: HeadConfig) -> jax.Array:
     """int tokens [B, T] -> entry embeddings [B, T, D]: the head's own table if it has one, else the target's."""
-    owner = params if config.own_embedding else target_params
-    return embedding_rows(owner["embed_tokens"], tokens)  # the target's may be in the derived CPU layout
+    if config.own_embedding:
+        return embedding_rows(params["embed_tokens"], tokens)
+    # The target's may be in the derived CPU layout (rows then in its params' dtype).
+    return embedding_rows(target_params["embed_tokens"], tokens, dtype=target_params["norm"]["scale"].dtype)
 
 
 def _argmax(x: jax.Array) -> jax.Array:
@@ -415,6 +462,8 @@ def head_draft_logits(params, target_params, hidden: jax.Array, *, config: HeadC
         {"params": params["norm"]}, hidden)
     if config.draft_vocab_size is None:
         return lm_head_logits(target_params, normed, config=target_config)
+    if "kernel_p" in params["lm_head"]:  # derived CPU layout: panels of [Vd, D]
+        return matmul_p(normed, params["lm_head"]["kernel_p"], config.draft_vocab_size, out_dtype=jnp.float32)
     w = params["lm_head"]["kernel"]  # [D, Vd]
     return jnp.einsum("btd,dv->btv", normed, w.astype(normed.dtype), preferred_element_type=jnp.float32)
 

@@ -185,6 +185,18 @@ class _Dense(nn.Module):
         return jnp.einsum("bti,io->bto", x, kernel.astype(x.dtype))
 
 
+def fused_qkv(x: jax.Array, fused: Mapping[str, Any], h: int, g: int, e: int):
+    """x [B, T, I] through a derived-layout ``qkv_proj`` (panels of [(H+2G)*E, I], optional bias) -> q [B, T, H, E],
+    k and v [B, T, G, E]."""
+    qkv = matmul_p(x, fused["kernel_p"], (h + 2 * g) * e)  # [B, T, (H+2G)*E]
+    if "bias" in fused:
+        qkv = qkv + fused["bias"].astype(x.dtype)
+    b, t = x.shape[:2]
+    q = qkv[..., : h * e].reshape(b, t, h, e)
+    k = qkv[..., h * e : (h + g) * e].reshape(b, t, g, e)
+    return q, k, qkv[..., (h + g) * e :].reshape(b, t, g, e)
+
+
 class Attention(nn.Module):
     config: LlamaConfig
     param_dtype: Any = jnp.float32
@@ -203,13 +215,7 @@ class Attention(nn.Module):
         h, g, e = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         if self.has_variable("params", "qkv_proj"):  # derived CPU layout: one [(H+2G)*E, D] product
             fused = self.get_variable("params", "qkv_proj")
-            qkv = matmul_p(x, fused["kernel_p"], (h + 2 * g) * e)  # [B, T, (H+2G)*E]
-            if c.attention_bias:
-                qkv = qkv + fused["bias"].astype(x.dtype)
-            b, t = x.shape[:2]
-            q = qkv[..., : h * e].reshape(b, t, h, e)  # [B, T, H, E]
-            k = qkv[..., h * e : (h + g) * e].reshape(b, t, g, e)  # [B, T, G, E]
-            v = qkv[..., (h + g) * e :].reshape(b, t, g, e)  # [B, T, G, E]
+            q, k, v = fused_qkv(x, fused, h, g, e)
         else:
             q = _Proj(h, e, c.attention_bias, pd, name="q_proj")(x)  # [B, T, H, E]
             k = _Proj(g, e, c.attention_bias, pd, name="k_proj")(x)  # [B, T, G, E]
@@ -319,7 +325,9 @@ class Model(nn.Module):
         if len(kv_cache.k) != c.num_hidden_layers:
             raise ValueError(f"kv_cache has {len(kv_cache.k)} layers, config.num_hidden_layers={c.num_hidden_layers}")
         embed = Embed(c.vocab_size, c.hidden_size, pd, name="embed_tokens")
-        x = embed(tokens)  # [B, T, D] in the params' dtype
+        x = embed(tokens)  # [B, T, D]
+        if self.has_variable("params", "norm"):  # applying: rows of narrowed panels come back to the params' dtype
+            x = x.astype(self.get_variable("params", "norm")["scale"].dtype)
         new_k, new_v = [], []
         for i in range(c.num_hidden_layers):  # Python loop: unrolled, fine at our depths
             x, k_i, v_i = DecoderLayer(c, pd, name=f"layers_{i}")(

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import specjax
-from models.heads import HEAD_METHODS, FusionHead, HeadConfig, head_hidden_to_logits, init_head_params, \
+from models.heads import HEAD_METHODS, FusionHead, HeadConfig, head_hidden_to_logits, head_to_cpu_layout, init_head_params, \
     load_head, medusa_hidden, save_head
-from models.llama import lm_head_logits
+from models.llama import is_cpu_layout, lm_head_logits
 from models.loading import load_hf_model
 from specjax.buckets import count_compiles
 from specjax.kv_cache import AttentionMetadata, KVCache
@@ -255,7 +255,11 @@ def test_shipped_head_is_lossless_and_beats_an_untrained_one(method, shipped_pla
     trained = llm.get_metrics()["mean_acceptance_length"]
     # The same engine (same executables) with the head's weights re-drawn at random: far fewer acceptances.
     proposer = llm.runner.proposer
-    untrained = init_head_params(proposer.config, jax.random.key(0))
+    # bfloat16 values, as the shipped heads' (so the compiled step takes them in the same dtypes).
+    untrained = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype) if a.dtype == jnp.float32 else a,
+                             init_head_params(proposer.config, jax.random.key(0)))
+    if is_cpu_layout(llm.runner.params[0]):  # the engine runs the head in the target's layout
+        untrained = head_to_cpu_layout(untrained, proposer.config)
     llm.runner.params = (llm.runner.params[0], jax.device_put(untrained, proposer.param_shardings(None)))
     before = llm.get_metrics()
     assert _ids(llm.generate(prompts, params)) == expected

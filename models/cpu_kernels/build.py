@@ -33,7 +33,9 @@ TARGET = "specjax_panel_matmul"
 """XLA custom-call target name of the panel matmul (what compiled HLO calls)."""
 ATTENTION_TARGET = "specjax_paged_attention"
 """XLA custom-call target name of the paged attention."""
-_SYMBOLS = {TARGET: "SpecjaxPanelMatmul", ATTENTION_TARGET: "SpecjaxPagedAttention"}
+ROWS_TARGET = "specjax_panel_rows"
+"""XLA custom-call target name of the row lookup from panels."""
+_SYMBOLS = {TARGET: "SpecjaxPanelMatmul", ATTENTION_TARGET: "SpecjaxPagedAttention", ROWS_TARGET: "SpecjaxPanelRows"}
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=gnu++17", "-shared", "-fPIC")
 CACHE_ENV = "SPECJAX_CACHE_DIR"
 

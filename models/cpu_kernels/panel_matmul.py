@@ -56,14 +56,27 @@ def unpack(w_p: Any, n: int) -> np.ndarray:
 
 
 def rows(w_p: jax.Array, idx: jax.Array) -> jax.Array:
-    """Rows ``W[idx]`` ``[..., K]`` read from the panels (an embedding lookup on a packed tied embedding).
+    """Rows ``W[idx]`` ``[..., K]`` read from the panels (an embedding lookup on a packed tied embedding), in the
+    panels' dtype, or float32 for bfloat16 panels where the kernels are built (:func:`rows_reference`).
 
     Ids are clipped into the panels, so a garbage id in a padding position reads a finite row (row 0 for a
     negative id, as ``jnp.take(mode="clip")``; an id past N may read a zero padding row instead of the last).
+    bfloat16 panels go through the C++ row kernel (``panel_matmul.cc``, ``PanelRows``): XLA:CPU would widen
+    the whole table to gather from it.
     """
     c = w_p.shape[2]
+    if w_p.dtype == jnp.bfloat16 and available():
+        out = jax.ShapeDtypeStruct((math.prod(idx.shape), w_p.shape[1]), jnp.float32)
+        flat = jax.ffi.ffi_call(build.ROWS_TARGET, out)(idx.reshape(-1).astype(jnp.int32), w_p)  # [N, K]
+        return flat.reshape(*idx.shape, w_p.shape[1])
     idx = jnp.clip(idx, 0, w_p.shape[0] * c - 1)
     return w_p[idx // c, :, idx % c]  # [..., K]
+
+
+def rows_reference(w_p: Any, idx: Any) -> np.ndarray:
+    """float32 numpy :func:`rows` from the unpacked weight."""
+    w_p = np.asarray(w_p).astype(np.float32)
+    return unpack(w_p, w_p.shape[0] * w_p.shape[2])[np.clip(np.asarray(idx), 0, w_p.shape[0] * w_p.shape[2] - 1)]
 
 
 def _call(x2: jax.Array, w_p: jax.Array) -> jax.Array:

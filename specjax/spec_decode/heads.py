@@ -14,7 +14,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from models.heads import HeadConfig, load_head
+from models.heads import HeadConfig, head_to_cpu_layout, load_head
+from specjax.backends import use_cpu_weight_layout
 from specjax.builtin import resolve_model
 from specjax.kv_cache import KVCache
 from specjax.sample.transforms import request_keys
@@ -90,4 +91,6 @@ def load_head_for(ctx: BuildContext) -> tuple[HeadConfig, dict]:
     if config.method != spec.method:
         raise ValueError(f"speculative_config.model {spec.model!r} is a {config.method} head, but method={spec.method!r}")
     config.check_target(ctx.target_config)
+    if use_cpu_weight_layout(ctx.mesh.devices.flat):  # beside a target in the CPU layout (the same choice)
+        params = head_to_cpu_layout(params, config)
     return config, params
