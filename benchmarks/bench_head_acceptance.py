@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 import specjax
-from models.heads import init_head_params, load_head
+from models.cpu_layout import is_cpu_layout
+from models.heads import head_to_cpu_layout, init_head_params, load_head
 from specjax.builtin import resolve_model
 from specjax.train import selfgen
 
@@ -75,6 +76,8 @@ def main() -> None:
     target_params, head_params = runner.params
     fresh = init_head_params(hc, jax.random.key(0))
     fresh = {k: (head_params[k] if k == "d2t" else v) for k, v in fresh.items()}
+    if is_cpu_layout(target_params):  # the engine runs the head in its target's layout
+        fresh = head_to_cpu_layout(fresh, hc)
     runner.params = (target_params, jax.tree.map(
         lambda new, old: jax.device_put(np.asarray(new).astype(old.dtype), old.sharding), fresh, head_params))
     before = llm.get_metrics()

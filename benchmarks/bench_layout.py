@@ -5,8 +5,11 @@ process; the two (and plain decoding where speculation is measured) generate the
 rounds after an untimed run; medians of ``--reps`` rounds. Models: the shipped target (7.5M, 29 MiB; plain
 and draft_model K = 4 with the shipped draft, greedy), a random 30M Llama (116 MiB; plain) and SmolLM2-135M
 (513 MiB; plain). ``SPECJAX_WEIGHT_LAYOUT=auto`` (``specjax.backends.use_cpu_weight_layout``) rests on these
-rows. A last row times SmolLM2 with ``dtype="bfloat16"`` weights against float32, both in the CPU layout (the
-panel kernel reads bfloat16 weights and accumulates in float32), and counts how many greedy tokens agree.
+rows. A row times SmolLM2 with ``dtype="bfloat16"`` weights against float32, both in the CPU layout (the
+panel kernel reads bfloat16 weights and accumulates in float32), and counts how many greedy tokens agree. The
+last rows time the shipped models (bfloat16 checkpoints) in the CPU layout with their panels in bfloat16 (what
+the layout does for weights that are all bfloat16 values: same products, half the bytes) against the same
+panels in float32 (``models.cpu_layout.NARROW_EXACT_BFLOAT16`` off): plain, draft_model K = 4 and EAGLE-3 K = 4.
 
     python benchmarks/bench_layout.py --out benchmarks/results/layout.json
 """
@@ -27,6 +30,7 @@ import jax
 
 import specjax
 from bench_builtin import machine_info, token_prompts
+from models import cpu_layout
 
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("bench_layout")
@@ -45,19 +49,23 @@ def model_path(name: str) -> str:
 
 
 LAYOUTS = {"cpu": ("cpu", "float32"), "checkpoint": ("checkpoint", "float32")}
-"""Variant name -> (SPECJAX_WEIGHT_LAYOUT, LLM dtype); the first is timed against the second."""
+"""Variant name -> (SPECJAX_WEIGHT_LAYOUT, LLM dtype[, narrow exact-bfloat16 panels]); the first is timed against
+the second."""
 DTYPES = {"bfloat16": ("cpu", "bfloat16"), "float32": ("cpu", "float32")}
+PANELS = {"bf16 panels": ("cpu", "float32", True), "f32 panels": ("cpu", "float32", False)}
 
 
 def run(name: str, spec: dict | None, new_tokens: int, reps: int, variants: dict = LAYOUTS) -> dict:
     kw = dict(max_model_len=64 + new_tokens + 8, max_num_seqs=1, seed=0, query_buckets=(1, 64), max_prefill_chunk=64)
     path = model_path(name)
     llms = {}
-    for key, (layout, dtype) in variants.items():
+    for key, (layout, dtype, *narrow) in variants.items():
         os.environ["SPECJAX_WEIGHT_LAYOUT"] = layout
+        cpu_layout.NARROW_EXACT_BFLOAT16 = narrow[0] if narrow else True
         llms[key] = specjax.LLM(path, speculative_config=spec, dtype=dtype, **kw)
         assert llms[key].runner.cpu_weight_layout == (layout == "cpu")
     os.environ.pop("SPECJAX_WEIGHT_LAYOUT")
+    cpu_layout.NARROW_EXACT_BFLOAT16 = True
     first, second = variants
     tok = llms[first].tokenizer
     prompts = token_prompts(tok, 2, 64) if tok is not None else [[5 + (i * 7 + j) % 500 for j in range(64)]
@@ -77,7 +85,8 @@ def run(name: str, spec: dict | None, new_tokens: int, reps: int, variants: dict
     weights = llms[second].runner.params[0]
     pairs = [(a, b) for x, y in zip(ids[first], ids[second]) for a, b in zip(x, y)]
     row = {"model": name, "speculation": spec, "weight_mib": sum(x.nbytes for x in jax.tree.leaves(weights)) / 2**20,
-           "variants": {k: {"layout": v[0], "dtype": v[1]} for k, v in variants.items()},
+           "variants": {k: {"layout": v[0], "dtype": v[1], "narrow_exact_bfloat16": v[2] if len(v) > 2 else True}
+                        for k, v in variants.items()},
            "tok_s": {k: len(prompts) * new_tokens / v for k, v in med.items()},
            "time_ratio": med[first] / med[second], "same_tokens": ids[first] == ids[second],
            "token_agreement": sum(a == b for a, b in pairs) / len(pairs), "times": times}
@@ -90,11 +99,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/layout.json"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--only-panels", action="store_true", help="only the bfloat16 / float32 panel rows")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     draft = {"method": "draft_model", "model": "builtin:draft", "num_speculative_tokens": 4, "adaptive": False}
+    eagle3 = {"method": "eagle3", "model": "builtin:eagle3", "num_speculative_tokens": 4, "adaptive": False}
     systems = [("builtin:target", None, LAYOUTS), ("builtin:target", draft, LAYOUTS), ("random30m", None, LAYOUTS),
-               ("smollm2", None, LAYOUTS), ("smollm2", None, DTYPES)]
+               ("smollm2", None, LAYOUTS), ("smollm2", None, DTYPES), ("builtin:target", None, PANELS),
+               ("builtin:target", draft, PANELS), ("builtin:target", eagle3, PANELS)]
+    if args.only_panels:
+        systems = systems[-3:]
     rows = [run(name, spec, args.new_tokens, args.reps, variants) for name, spec, variants in systems]
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "command": " ".join(["python"] + sys.argv),
            "rows": rows}

@@ -51,11 +51,16 @@ def embedding_rows(embed: Mapping[str, Any], tokens: jax.Array, dtype: Any = Non
     return out if dtype is None else out.astype(dtype)
 
 
+NARROW_EXACT_BFLOAT16 = True
+"""Whether :func:`narrowed` stores exact-bfloat16 float32 weights in bfloat16. Not an option (the logits are the
+same either way); ``benchmarks/bench_layout.py`` turns it off to time the float32 panels beside."""
+
+
 def narrowed(w: np.ndarray) -> np.ndarray:
     """``w`` in bfloat16 if it is float32 and every value is exactly a bfloat16 (low 16 bits zero), else ``w``.
 
     Exact both ways, so the panel kernel computes the same products from either."""
-    if w.dtype != np.float32:
+    if w.dtype != np.float32 or not NARROW_EXACT_BFLOAT16:
         return w
     bits = np.ascontiguousarray(w).view(np.uint32)
     if np.any(bits.reshape(-1)[:4096] & 0xFFFF) or np.any(bits & 0xFFFF):  # a sample first: most fp32 models fail it
@@ -77,21 +82,20 @@ def layer_to_cpu_layout(sub: Mapping[str, Any]) -> dict:
     """One decoder layer's params (``models.llama.DecoderLayer`` names, also a draft head's layer) -> the
     derived layout: q/k/v fused (+ their biases), o_proj, gate/up fused, down_proj as panels; the rest kept."""
     attn, mlp = sub["self_attn"], sub["mlp"]
-    qkv = {"kernel_p": panels(*(output_major(attn[p]["kernel"], np.shape(attn[p]["kernel"])[0])
-                                for p in ("q_proj", "k_proj", "v_proj")))}
+
+    def mat(entry, in_dims: int = 1) -> np.ndarray:  # a kernel [in..., out...] -> [out, in]
+        return output_major(entry["kernel"], int(np.prod(np.shape(entry["kernel"])[:in_dims])))
+
+    qkv = {"kernel_p": panels(*(mat(attn[p]) for p in ("q_proj", "k_proj", "v_proj")))}
     if "bias" in attn["q_proj"]:
         qkv["bias"] = jax.numpy.asarray(np.concatenate(
             [np.asarray(attn[p]["bias"]).reshape(-1) for p in ("q_proj", "k_proj", "v_proj")]))
-    o_kernel = attn["o_proj"]["kernel"]  # [H, E, D]
-    new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_p": panels(output_major(o_kernel, np.prod(np.shape(o_kernel)[:2])))}}
-    new_attn.update({k: v for k, v in attn.items() if k not in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_p": panels(mat(attn["o_proj"], 2))}}  # o: [H, E, D]
     if "bias" in attn["o_proj"]:
         new_attn["o_proj"]["bias"] = attn["o_proj"]["bias"]
-    new_mlp = {
-        "gate_up_proj": {"kernel_p": panels(output_major(mlp["gate_proj"]["kernel"], np.shape(mlp["gate_proj"]["kernel"])[0]),
-                                            output_major(mlp["up_proj"]["kernel"], np.shape(mlp["up_proj"]["kernel"])[0]))},
-        "down_proj": {"kernel_p": panels(output_major(mlp["down_proj"]["kernel"], np.shape(mlp["down_proj"]["kernel"])[0]))},
-    }
+    new_attn.update({k: v for k, v in attn.items() if k not in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    new_mlp = {"gate_up_proj": {"kernel_p": panels(mat(mlp["gate_proj"]), mat(mlp["up_proj"]))},
+               "down_proj": {"kernel_p": panels(mat(mlp["down_proj"]))}}
     return {**{k: v for k, v in sub.items() if k not in ("self_attn", "mlp")}, "self_attn": new_attn, "mlp": new_mlp}
 
 

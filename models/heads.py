@@ -47,6 +47,10 @@ Param trees (``kernel`` layouts as in models/llama.py)::
                   lm_head.kernel [D, Vd] + d2t int32 [Vd] (draft vocab); embed_tokens.embedding [V, D] (own)
     medusa:       blocks_i.{kernel [D, D], bias [D]} (block 0 of head i), blocks_i_j (block j >= 1);
                   lm_heads_i.kernel [D, Vd] + d2t [Vd] (draft vocab)
+
+Beside a target in ``models.cpu_layout`` (the engine on one CPU device) a fusion head runs in that layout
+too (:func:`head_to_cpu_layout`: ``layer`` as a target's layer, ``fc`` / ``fc_aux`` / ``lm_head`` as
+``kernel_p`` panels), so its few rows per step stream each weight once through the same C++ kernel.
 """
 
 from __future__ import annotations

@@ -101,6 +101,27 @@ def test_panel_width_is_two_machine_vectors():
         pm.pack(w, width=0)
 
 
+@pytest.mark.parametrize("v,k", [(4096, 320), (49152, 576)])  # the shipped target's and SmolLM2's tied tables
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_match_reference_and_a_loop_reads_only_the_rows_asked_for(v, k, dtype):
+    """Embedding lookups from panels (bfloat16 ones through the row kernel), ids clipped; in a drafting loop
+    the compiled program holds no float32 copy of a bfloat16 table (what XLA's own gather made)."""
+    w = np.random.default_rng(v).standard_normal((v, k)).astype(np.float32)
+    w_p = jnp.asarray(pm.pack(w, dtype))
+    idx = jnp.asarray([[0, 1, v - 1, v // 2 + 3], [-5, 7, v + 100, 31]], jnp.int32)
+    got = np.asarray(jax.jit(pm.rows)(w_p, idx))
+    assert got.shape == (2, 4, k) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, pm.rows_reference(w_p, idx))
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(got[0, :2], np.asarray(jnp.asarray(w[:2]).astype(dtype), np.float32))
+
+        def loop(w_p, idx):
+            return jax.lax.fori_loop(0, 3, lambda i, acc: acc + pm.rows(w_p, idx + i).sum(), jnp.float32(0))
+
+        text = jax.jit(loop).lower(w_p, idx).compile().as_text()
+        assert build.ROWS_TARGET in text and f"f32[{w_p.shape[0]},{k},{w_p.shape[2]}]" not in text
+
+
 def test_entry_refuses_bad_shapes_and_dtypes():
     c = pm.panel_width()
     x = jnp.ones((2, 16), jnp.float32)

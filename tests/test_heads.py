@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import specjax
-from models.heads import HEAD_METHODS, FusionHead, HeadConfig, head_hidden_to_logits, head_to_cpu_layout, init_head_params, \
-    load_head, medusa_hidden, save_head
-from models.llama import is_cpu_layout, lm_head_logits
+from models.heads import HEAD_METHODS, FusionHead, HeadConfig, combine_hidden_states, head_embed, \
+    head_hidden_to_logits, head_target_logits, head_to_cpu_layout, init_head_params, load_head, medusa_hidden, \
+    save_head
+from models.llama import is_cpu_layout, lm_head_logits, to_cpu_layout
 from models.loading import load_hf_model
 from specjax.buckets import count_compiles
 from specjax.kv_cache import AttentionMetadata, KVCache
@@ -268,3 +269,46 @@ def test_shipped_head_is_lossless_and_beats_an_untrained_one(method, shipped_pla
         after["num_drafts"] - before["num_drafts"])
     # Medusa does not see the token it follows, so it is the weakest head (it still clearly beats random).
     assert trained > random_len + (0.3 if method == "medusa" else 1.0), (trained, random_len)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the derived CPU layout runs the C++ kernels")
+@pytest.mark.parametrize("method,extra", [("eagle", {}), ("mtp", {}), ("eagle3", {"draft_vocab_size": 32}),
+                                          ("eagle3", {"layout": "eagle3", "fc_bias": True}),
+                                          ("eagle", {"layout": "eagle1", "fc_bias": True})])
+def test_head_in_the_cpu_layout_computes_what_the_checkpoint_layout_does(target, method, extra):
+    """``head_to_cpu_layout`` (what the engine runs beside a target in the CPU layout): the paged pass, the
+    feature fusion and the draft logits match the checkpoint layout, and no projection is left to XLA's dots."""
+    t_config, t_params = target
+    h = HeadConfig.for_target(method, t_config, **extra)
+    hp = jax.tree.map(lambda x: x * 5.0 if x.ndim > 1 and x.dtype == jnp.float32 else x,
+                      init_head_params(h, jax.random.key(7)))
+    if extra.get("fc_bias"):  # non-zero biases, so dropping one would show
+        name = "fc_aux" if h.layout == "eagle3" else "fc"
+        hp[name]["bias"] = jnp.linspace(-1, 1, h.hidden_size)
+    cpu = head_to_cpu_layout(hp, h)
+    assert "kernel" not in cpu["layer"]["mlp"].get("down_proj", {}) and "qkv_proj" in cpu["layer"]["self_attn"]
+    rng = np.random.default_rng(1)
+    t = 6
+    tokens = jnp.asarray(rng.integers(4, 48, size=(2, t)), jnp.int32)
+    raw = jnp.asarray(rng.normal(size=(2, t, h.feature_size)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
+    md = AttentionMetadata(slot_mapping=jnp.asarray([[0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]], jnp.int32),
+                           block_tables=jnp.asarray([[0], [1]], jnp.int32))
+
+    def run(params, t_params):
+        cache = KVCache.allocate(num_layers=1, num_blocks=2, block_size=8, num_kv_heads=h.num_key_value_heads,
+                                 head_dim=h.head_dim, dtype=jnp.float32)
+        feats = combine_hidden_states(params, raw, config=h)
+        emb = head_embed(params, t_params, tokens, config=h)
+        out = FusionHead(h).apply({"params": params}, emb, feats, pos, cache.k[0], cache.v[0], md, 8, True)[0]
+        return feats, out, head_target_logits(params, t_params, out, config=h, target_config=t_config)
+
+    t_cpu = to_cpu_layout(t_params, t_config)  # as in the engine: the head beside a target in the CPU layout
+    for want, got in zip(run(hp, t_params), jax.jit(run)(cpu, t_cpu)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert " dot(" not in jax.jit(run).lower(cpu, t_cpu).compile().as_text()
+    with pytest.raises(ValueError, match="already in the CPU layout"):
+        head_to_cpu_layout(cpu, h)
+    medusa = HeadConfig.for_target("medusa", t_config, num_medusa_heads=2)
+    mp = init_head_params(medusa, jax.random.key(0))
+    assert jax.tree.structure(head_to_cpu_layout(mp, medusa)) == jax.tree.structure(mp)  # Medusa keeps XLA's dots

@@ -154,6 +154,38 @@ def test_tied_embedding_is_packed_once_and_looked_up_from_the_panels():
     assert np.isfinite(np.asarray(embedding_rows(cpu["embed_tokens"], jnp.asarray([[500]])))).all()
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_that_are_all_bfloat16_values_are_packed_in_bfloat16_with_identical_logits(tied):
+    """A float32 model whose weights are bfloat16 values (a bfloat16 checkpoint upcast at load, as every shipped
+    model is) gets bfloat16 panels and the same logits, bit for bit, as the same panels held in float32; a matrix
+    with one value that is not a bfloat16 stays float32; norms and activations stay float32."""
+    c = LlamaConfig(vocab_size=80, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=12, tie_word_embeddings=tied)
+    exact = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), init_params(c, jax.random.key(4)))
+    down = np.array(exact["layers_1"]["mlp"]["down_proj"]["kernel"])
+    down[3, 5] = np.nextafter(down[3, 5], np.float32(1))  # one value a bfloat16 cannot hold
+    exact["layers_1"]["mlp"]["down_proj"]["kernel"] = jnp.asarray(down)
+    cpu = to_cpu_layout(exact, c)
+    leaves = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(cpu)}
+    panels = {k: v.dtype for k, v in leaves.items() if k.endswith("_p']")}
+    assert panels.pop("['layers_1']['mlp']['down_proj']['kernel_p']") == jnp.float32  # 4 per layer + the LM head remain
+    assert len(panels) == 4 * 2 and set(panels.values()) == {jnp.dtype(jnp.bfloat16)}
+    assert {v.dtype for k, v in leaves.items() if not k.endswith("_p']")} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_array_equal(unpack(np.asarray(cpu["layers_1"]["mlp"]["down_proj"]["kernel_p"]), 48), down.T)
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), cpu)  # the same values, held in float32
+    cache = KVCache.allocate(num_layers=2, num_blocks=4, block_size=8, num_kv_heads=2, head_dim=12, dtype=jnp.float32)
+    for t in (5, 1):
+        tokens = jnp.asarray(np.random.default_rng(t).integers(0, 80, size=(2, t)), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(3, 3 + t, dtype=jnp.int32), (2, t))
+        slots = jnp.concatenate([positions[:1], positions[1:] + 16])  # row 1 in blocks 2 and 3
+        args = (cache, tokens, positions, slots, jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+        step = jax.jit(_step_fn(c, t))
+        narrow_logits, wide_logits = step(cpu, *args)[0], step(wide, *args)[0]
+        assert narrow_logits.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(narrow_logits), np.asarray(wide_logits))
+        np.testing.assert_allclose(np.asarray(narrow_logits), np.asarray(step(exact, *args)[0]), rtol=1e-4, atol=1e-4)
+
+
 # --------------------------------------------------------------------------- which kernels run
 
 

@@ -65,7 +65,7 @@ def rows(w_p: jax.Array, idx: jax.Array) -> jax.Array:
     the whole table to gather from it.
     """
     c = w_p.shape[2]
-    if w_p.dtype == jnp.bfloat16 and available():
+    if w_p.dtype == jnp.bfloat16 and available() and c == panel_width():
         out = jax.ShapeDtypeStruct((math.prod(idx.shape), w_p.shape[1]), jnp.float32)
         flat = jax.ffi.ffi_call(build.ROWS_TARGET, out)(idx.reshape(-1).astype(jnp.int32), w_p)  # [N, K]
         return flat.reshape(*idx.shape, w_p.shape[1])
