@@ -36,16 +36,21 @@ from bench_builtin import machine_info  # noqa: E402
 from models.cpu_kernels import build  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 
-_PREFETCH = "__builtin_prefetch(ahead + b, 0, 0);"
+_PREFETCH = "__builtin_prefetch(ahead + b, 0, kPrefetchLocality);"
+_PLAIN, _NTA = "__builtin_prefetch(ahead + b);", "__builtin_prefetch(ahead + b, 0, 0);"
 _SPLITS = "  const int64_t splits = (s.T + kQueryTokens - 1) / kQueryTokens;"
 _RANGE = "    const int64_t t0 = split * kQueryTokens, t1 = std::min(s.T, t0 + kQueryTokens);"
 VARIANTS = {  # name -> [(source file, its text, replacement)]
     # The panel kernel before 2026-12-05 (a plain prefetch 2 KiB ahead).
-    "plain_prefetch_2k": [("panel_matmul.cc", _PREFETCH, "__builtin_prefetch(ahead + b);"),
+    "plain_prefetch_2k": [("panel_matmul.cc", _PREFETCH, _PLAIN),
                           ("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
-    "plain_prefetch_4k": [("panel_matmul.cc", _PREFETCH, "__builtin_prefetch(ahead + b);")],
-    "nta_prefetch_2k": [("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
-    "nta_prefetch_8k": [("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 8192;")],
+    "plain_prefetch_4k": [("panel_matmul.cc", _PREFETCH, _PLAIN)],
+    # The non-temporal prefetch the kernel takes on AMD Zen (kPrefetchLocality), at 2, 4 and 8 KiB.
+    "nta_prefetch_2k": [("panel_matmul.cc", _PREFETCH, _NTA),
+                        ("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
+    "nta_prefetch_4k": [("panel_matmul.cc", _PREFETCH, _NTA)],
+    "nta_prefetch_8k": [("panel_matmul.cc", _PREFETCH, _NTA),
+                        ("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 8192;")],
     "tasks_of_16_panels": [("panel_matmul.cc", "constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;",
                             "constexpr int64_t kChunk = 16;")],
     # x transposed to [K, M] once per call, so a tile's rows at step k are adjacent (one stream, not M).
@@ -105,7 +110,7 @@ VARIANTS = {  # name -> [(source file, its text, replacement)]
 
 def build_variant(name: str, workdir: Path) -> tuple[str, ...]:
     """Compile the kernels' sources with ``name``'s replacements as their own library and register its targets
-    under ``<target>_<name>``; those names, in ``build._SYMBOLS`` order (panel matmul, attention)."""
+    under ``<target>_<name>``; those names, in ``build._SYMBOLS`` order (panel matmul, attention, panel rows)."""
     sources = {path.name: path.read_text() for path in build.SOURCES}
     for file, old, new in VARIANTS[name]:
         if old not in sources[file]:
@@ -143,7 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     if build.load() is None:
         raise SystemExit("the CPU kernels are unavailable here")
-    base_targets = (build.TARGET, build.ATTENTION_TARGET)
+    base_targets = (build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET)
     targets = {"built": base_targets}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
@@ -157,9 +162,9 @@ def main() -> None:
         ts = (1, args.k + 1)
         exes = {}
         try:
-            for name, (matmul, attention) in targets.items():
+            for name, (matmul, attention, rows) in targets.items():
                 # What the kernels' ffi_calls name while this step is traced.
-                build.TARGET, build.ATTENTION_TARGET = matmul, attention
+                build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = matmul, attention, rows
                 for t in ts:
                     inputs = bv.step_inputs(args.batch, t, args.context, width)
                     exe = bv.compile_exe(bv.make_step(config, t), (params, kv, *inputs))
@@ -168,7 +173,7 @@ def main() -> None:
                         raise SystemExit(f"{name}: the step does not call {matmul} and {attention}")
                     exes[(name, t)] = (exe, inputs)
         finally:
-            build.TARGET, build.ATTENTION_TARGET = base_targets
+            build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = base_targets
         state = {"kv": kv}
 
         def call(key) -> None:

@@ -47,12 +47,19 @@ constexpr int kRowGroup = 8;
 #else
 constexpr int kRowGroup = 6;
 #endif
-// Software prefetch 4 KiB ahead of the stream (the hardware prefetcher stops at 4 KiB pages), as
-// non-temporal: each weight is used once per call, and a plain prefetch let the stream evict what the
-// step reuses (activations, the KV cache, the next ops' inputs) from the caches. In one process, each
-// variant its own XLA target, SmolLM2 batch 1, 2-core AVX2 EPYC (2026-12-05): 1-token step -3-4%,
-// 5-token verify -4-10%; the 7.5M shipped target -19% / -20%; SmolLM2 batch 8 -2% / -3%. (A plain
+// Software prefetch 4 KiB ahead of the stream (the hardware prefetcher stops at 4 KiB pages). On AMD Zen as
+// non-temporal: each weight is used once per call, and a plain prefetch let the stream evict what the step
+// reuses (activations, the KV cache, the next ops' inputs) from the caches. In one process, each variant its
+// own XLA target, SmolLM2 batch 1, 2-core AVX2 EPYC (2026-12-05): 1-token step -3-4%, 5-token verify -4-10%;
+// the 7.5M shipped target -19% / -20%; SmolLM2 batch 8 -2% / -3%. Elsewhere a plain prefetch: on a 2-vCPU
+// Intel Xeon with AVX-512 (GCC's -march=native: rocketlake) the non-temporal one made SmolLM2's steps ~2x
+// slower (1-token 64.5 -> 30.6 ms with the plain one; benchmarks/README.md, "Verify cost on CPU"). (A plain
 // prefetch 1 KiB ahead was slower than 2 KiB, and 2, 4 and 8 KiB alike, in earlier one-thread drivers.)
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+constexpr int kPrefetchLocality = 0;  // non-temporal
+#else
+constexpr int kPrefetchLocality = 3;  // into every cache level
+#endif
 constexpr int64_t kPrefetchBytes = 4096;
 // Panels claimed per task (64 columns): small enough that two threads finish together.
 constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;
@@ -64,7 +71,7 @@ inline void Tile(const float* x, const W* panel, float* y, int64_t K, int64_t N,
   for (int64_t k = 0; k < K; ++k) {
     const W* row = panel + k * kPanel;
     const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchBytes;
-    for (int64_t b = 0; b < kPanel * int64_t(sizeof(W)); b += 64) __builtin_prefetch(ahead + b, 0, 0);
+    for (int64_t b = 0; b < kPanel * int64_t(sizeof(W)); b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
     fvec w[kVecs];
     for (int v = 0; v < kVecs; ++v) w[v] = LoadVec(row + v * kLanes);
     for (int m = 0; m < MR; ++m) {
