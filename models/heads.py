@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.cpu_layout import layer_to_cpu_layout, matmul_p, output_major, panels
-from models.llama import (MLP, LlamaConfig, RMSNorm, _freeze, _OutProj, _Proj, apply_rope, embedding_rows,
+from models.llama import (MLP, LlamaConfig, RMSNorm, _Dense, _freeze, _OutProj, _Proj, apply_rope, embedding_rows,
                           fused_qkv, lm_head_logits, rope_inv_freq)
 
 HEAD_METHODS = ("eagle", "eagle3", "mtp", "medusa")
@@ -254,24 +254,6 @@ def _dense(x: jax.Array, entry: Mapping[str, Any], features: int) -> jax.Array: 
     return y + entry["bias"].astype(y.dtype) if "bias" in entry else y
 
 
-class _FC(nn.Module):
-    """The entry fusion ``fc`` (nn.Dense's param names and init; also reads the derived CPU layout)."""
-
-    features: int
-    use_bias: bool
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, I] -> [B, T, O]
-        if self.has_variable("params", "kernel_p"):
-            return _dense(x, self.variables["params"], self.features)
-        entry = {"kernel": self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features),
-                                      self.param_dtype)}
-        if self.use_bias:
-            entry["bias"] = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
-        return _dense(x, entry, self.features)
-
-
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Dense attention of ``q [B, T, H, E]`` over ``k, v [B, S, G, E]`` where ``mask`` ([T, S] or [B, T, S]).
 
@@ -369,7 +351,7 @@ class FusionHead(nn.Module):
             self.enorm = RMSNorm(c.rms_norm_eps, pd)
             self.hnorm = RMSNorm(c.rms_norm_eps, pd)
         if c.layout != "eagle3":
-            self.fc = _FC(c.hidden_size, c.fc_bias, pd)  # kernel [2D, D]
+            self.fc = _Dense(c.hidden_size, pd, c.fc_bias)  # kernel [2D, D]
         self.layer = _HeadLayer(c, pd)
 
     def _entries(self, embeds, features, positions):

@@ -172,17 +172,22 @@ class _OutProj(nn.Module):
 
 
 class _Dense(nn.Module):
-    """x [B, T, I] -> [B, T, O] with kernel [I, O], no bias (all MLP projections)."""
+    """x [B, T, I] -> [B, T, O] with kernel [I, O] (all MLP projections; a draft head's ``fc``, + bias [O])."""
 
     features: int
     param_dtype: Any = jnp.float32
+    bias: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.has_variable("params", "kernel_p"):  # derived CPU layout: panels of [O, I]
-            return matmul_p(x, self.get_variable("params", "kernel_p"), self.features)
-        kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.features), self.param_dtype)  # [I, O]
-        return jnp.einsum("bti,io->bto", x, kernel.astype(x.dtype))
+            y = matmul_p(x, self.get_variable("params", "kernel_p"), self.features)
+        else:
+            kernel = self.param("kernel", _kernel_init, (x.shape[-1], self.features), self.param_dtype)  # [I, O]
+            y = jnp.einsum("bti,io->bto", x, kernel.astype(x.dtype))
+        if self.bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(y.dtype)
+        return y
 
 
 def fused_qkv(x: jax.Array, fused: Mapping[str, Any], h: int, g: int, e: int):

@@ -56,8 +56,8 @@ def unpack(w_p: Any, n: int) -> np.ndarray:
 
 
 def rows(w_p: jax.Array, idx: jax.Array) -> jax.Array:
-    """Rows ``W[idx]`` ``[..., K]`` read from the panels (an embedding lookup on a packed tied embedding), in the
-    panels' dtype, or float32 for bfloat16 panels where the kernels are built (:func:`rows_reference`).
+    """Rows ``W[idx]`` ``[..., K]`` read from the panels (an embedding lookup on a packed tied embedding), in
+    float32 for bfloat16 panels (exact), else in the panels' dtype (:func:`rows_reference`).
 
     Ids are clipped into the panels, so a garbage id in a padding position reads a finite row (row 0 for a
     negative id, as ``jnp.take(mode="clip")``; an id past N may read a zero padding row instead of the last).
@@ -70,7 +70,8 @@ def rows(w_p: jax.Array, idx: jax.Array) -> jax.Array:
         flat = jax.ffi.ffi_call(build.ROWS_TARGET, out)(idx.reshape(-1).astype(jnp.int32), w_p)  # [N, K]
         return flat.reshape(*idx.shape, w_p.shape[1])
     idx = jnp.clip(idx, 0, w_p.shape[0] * c - 1)
-    return w_p[idx // c, :, idx % c]  # [..., K]
+    out = w_p[idx // c, :, idx % c]  # [..., K]
+    return out.astype(jnp.float32) if w_p.dtype == jnp.bfloat16 else out
 
 
 def rows_reference(w_p: Any, idx: Any) -> np.ndarray:
