@@ -28,7 +28,7 @@ from specjax.parallel.sharding import ShardingPlan
 from specjax.sample.rejection import conditional_acceptance_rates, default_use_kernel
 from specjax.scheduler import Request, Scheduler
 from specjax.spec_decode.controller import ControllerConfig, SpeculationController
-from specjax.spec_decode.proposer import Proposer
+from specjax.spec_decode.proposer import EMPTY_DRAFTS, Proposer
 from specjax.sample.processors import SamplingState
 from specjax.step import DecodeState, PackedBatch, StepBatch, StepSpec, decode_step, host_buffers, pack, \
     propose_phase, sample_phase, unpack, update_phase, verify_phase
@@ -286,6 +286,7 @@ class Engine:
         self._held_key = (b"", False)  # ... for these rows' slots (int64 [R] as bytes: cheaper to compare), in
         # order, and whether requests waited (a plan made while the batch drained must not outlive it) ...
         self._held_plan: tuple[int, np.ndarray] = (0, np.zeros(0, np.int32))  # ... with this K and these caps
+        self._planned = True  # the last decoding step's plan was made in full (not a held one)
 
     # ------------------------------------------------------------------ buckets
 
@@ -363,7 +364,8 @@ class Engine:
         n = len(rows)
         waiting = bool(self.scheduler.waiting)  # else the batch drains (RowCaps.remaining)
         key = (slots.tobytes(), waiting)
-        if self._held and self._held_key == key:
+        self._planned = not (self._held and self._held_key == key)
+        if not self._planned:
             return self._held_step(rows, slots)
         self._held = 0
         if self.controller is not None and self.proposer.syncs and not self.scheduler.slots.synced[slots].any():
@@ -444,23 +446,29 @@ class Engine:
         looked up first, one by one, and the others only if each of those found drafts: else no draft can
         shorten the drain and the step is plain (the controller's rule), so more lookups would be host time for
         nothing."""
-        drafts, found = [np.zeros(0, np.int32)] * len(ids), np.zeros(len(ids), np.int32)
-        groups = [np.flatnonzero(limits)]
+        # Python lists: this runs every step a host proposer may draft, right after a step, where each numpy call
+        # on these few-element arrays costs ~5-10 us (with numpy, ngram at batch 8 spent ~60 us a step here outside
+        # the lookups themselves).
+        n, lim = len(ids), limits.tolist()
+        drafts, found = [EMPTY_DRAFTS] * n, [0] * n
+        groups = [[i for i in range(n) if lim[i]]]
         if remaining is not None:
-            last = remaining == remaining.max()
-            groups = [] if not limits[last].all() else [*np.flatnonzero(last)[:, None],
-                                                        np.flatnonzero(~last & (limits > 0))]
-        table = self.scheduler.slots
+            rem = remaining.tolist()
+            top = max(rem)
+            last = [i for i in range(n) if rem[i] == top]
+            groups = [] if not all(lim[i] for i in last) else [
+                *([i] for i in last), [i for i in range(n) if rem[i] != top and lim[i]]]
+        table, slot_list = self.scheduler.slots, slots.tolist()
         for rows in groups:
-            if not rows.size:
+            if not rows:
                 continue
-            got = self.proposer.propose_host([ids[i] for i in rows], [table.history(slots[i]) for i in rows],
-                                             limits[rows].tolist())
-            for i, d in zip(rows.tolist(), got):
+            got = self.proposer.propose_host([ids[i] for i in rows], [table.history(slot_list[i]) for i in rows],
+                                             [lim[i] for i in rows])
+            for i, d in zip(rows, got):
                 drafts[i], found[i] = d, len(d)
-            if remaining is not None and not found[rows].all():
+            if remaining is not None and not all(found[i] for i in rows):
                 break
-        return drafts, found
+        return drafts, np.array(found, np.int32)
 
     def draft_ahead(self, k: int, decoding: bool) -> int:
         """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all
@@ -537,7 +545,8 @@ class Engine:
             sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
             self.controller.costs.observe((bucket[0], k, detached, sampled), time.perf_counter() - run_start)
             if not detached:
-                self.controller.costs.observe_planning((bucket[0], sampled), run_start - plan_start)
+                self.controller.costs.observe_planning((bucket[0], sampled), run_start - plan_start,
+                                                       full=self._planned)
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         return finished

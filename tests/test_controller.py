@@ -885,3 +885,43 @@ def test_a_draining_batch_counts_its_drafting_rows_at_their_mean_acceptance():
     # By "poor"'s own estimate, as when it drains alone, only one draft pays ((1 + 0.5) / 1.25).
     alone = c.row_caps(["poor"], [False], np.asarray([K]), np.asarray([True]), remaining=np.asarray([30]))
     assert c.decide(2, alone).k == 1
+
+
+def test_a_kind_never_measured_goes_by_its_twin_of_the_other_sampling_where_that_one_was():
+    c = SpeculationController(K, ControllerConfig(cost_max_age=64), can_detach=True)
+    warm = {(8, 0, True): 1.0, (8, 1, False): 2.0}  # (rows, K, detached) -> warmup seconds, greedy
+    for (rows, k, det), seconds in warm.items():
+        c.costs.observe((rows, k, det, False), seconds, warmup=True)
+        c.costs.observe((rows, k, det, True), 1.2 * seconds, warmup=True)  # sampling: 1.2x at warmup
+    for _ in range(8):
+        c.costs.observe((8, 1, False, True), 6.0)  # the sampled bucket's scale: 2.5
+    assert c.costs.estimate(8, 0, True, True) == pytest.approx(1.2 * 2.5)  # no twin measured: the scale
+    for _ in range(8):
+        c.costs.observe((8, 0, True, False), 1.5)  # the greedy twin ran for real: 1.5x its warmup time
+    assert c.costs.estimate(8, 0, True, True) == pytest.approx(1.5 * 1.2)
+    for _ in range(64):  # the twin's measurements expire (K=1 greedy runs): the bucket's scale again
+        c.costs.observe((8, 1, False, False), 5.0)
+    assert c.costs.estimate(8, 0, True, True) == pytest.approx(1.2 * 2.5)
+    c.costs.observe((8, 0, True, True), 2.0)  # measured itself: its own time
+    assert c.costs.estimate(8, 0, True, True) == 2.0
+
+
+def test_several_rows_lookups_that_save_less_than_a_full_plan_costs_hold_plain_plans():
+    def second_miss(plan_cost_share):
+        c = _controller({(2, k, False): 1.0 + 0.1 * k for k in range(K + 1)}, replan_every=4, min_lookup_hits=0.1,
+                        probe_every=0)
+        _teach(c, "a", 0.9)
+        _teach(c, "b", 0.9)
+        plan = lambda: c.row_caps(["a", "b"], [False] * 2, np.asarray([K, K]), np.asarray([True] * 2))  # noqa: E731
+        assert c.decide(2, plan(), found=np.asarray([K, K])).k > 0  # a hit: it saved part of a plain step
+        saved = c.lookup_saving
+        assert 0.2 < saved < 1.0
+        first = c.decide(2, plan(), found=np.asarray([0, 0]))  # a miss: no full plan timed yet
+        assert (first.k, first.hold) == (0, 0) and c.lookup_saving == pytest.approx(saved * 15 / 16)
+        c.costs.observe_planning((2, False), plan_cost_share * saved)  # one full plan's host time
+        d = c.decide(2, plan(), found=np.asarray([0, 0]))
+        assert d.k == 0 and c.lookup_hit_rate > 0.1  # (lookups do not seldom hit)
+        return d.hold
+
+    assert second_miss(0.5) == 0  # lookups save twice what a plan costs: the next step plans again
+    assert second_miss(1.0) == 3  # a plan costs more than the recent saving per plan: held replan_every steps

@@ -130,3 +130,12 @@ def test_a_closed_batch_is_prefilled_detached_where_its_drain_would_not_pay_for_
     assert not prefill(None)  # requests wait: every token counts, drafting 2 pays
     assert prefill(64)
     assert not prefill(1000)  # long requests: their luck evens out over the drain (drafting 2: 1.04x)
+
+
+def test_drafts_that_take_nothing_off_the_drain_gain_nothing():
+    # Row 1 has the most tokens left and no drafts: whatever row 0 accepts, the drain is as long.
+    gains = drain_gains([[0.9] * 4, [0.9] * 4], [4, 0], [30, 40], 4)
+    assert gains == [0.0] * 5
+    # With row 1 drafting too, the drain shortens (and each K gains more).
+    both = drain_gains([[0.9] * 4, [0.9] * 4], [4, 4], [30, 40], 4)
+    assert 0.0 < both[1] < both[2] < both[4]

@@ -119,7 +119,9 @@ class ControllerConfig:
     run attached until the vote detaches again (one per 16 prefill decisions: 0.95x plain, none 0.99x)."""
     min_lookup_hits: float = 0.1
     """A plan kept plain only because a host lookup found no drafts is held only while fewer than this share of
-    recent such lookups found any (ngram at batch 1: about half of greedy lookups hit, ~5% at T 0.8)."""
+    recent such lookups found any (ngram at batch 1: about half of greedy lookups hit, ~5% at T 0.8), or, with
+    several rows, while their lookups saved less step time per plan than a full plan costs
+    (:attr:`SpeculationController.lookup_saving`)."""
     max_planning_share: float = 0.01
     """Where only a host lookup's misses keep steps plain and lookups seldom hit, such a plan is held for
     ``replan_every`` steps, and twice as long for each such plan in a row for the same rows (up to 8x) while the
@@ -168,6 +170,10 @@ class SpeculationController:
         self.lookup_hit_rate = 1.0
         """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that drafted or
         would have had it found them all."""
+        self.lookup_saving: float | None = None
+        """Over the same plans (an EMA over ~16; None before the first hit): the step time a plan's lookups saved, a plain
+        step's cost x (1 - its rate / the drafting rate) where they found drafts worth verifying, 0 where they
+        missed (see ``max_planning_share``)."""
         self.k_histogram = [0] * (k_max + 1)
         self.num_detached_steps = 0
         self.num_detached_prefills = 0
@@ -329,6 +335,8 @@ class SpeculationController:
         one_lookup = found is not None and n == 1 and not any(plan.probing) and not self.learning(plan.sampled)
         if found is not None and k:  # the lookup found drafts worth verifying: a hit
             self.lookup_hit_rate += (1.0 - self.lookup_hit_rate) / 16
+            plain = self.costs.estimate(rows, 0, False, plan.sampled)
+            self._lookup_saved(plain * max(0.0, 1.0 - attached_rate / draft_rate) if draft_rate > 0 else 0.0)
         # The lookup found every draft asked for: this decision is the one a hit makes (no need to work it out).
         found_all = found is not None and cap_row == plan.caps
         same_rows = plan.request_ids == self._held_ids
@@ -341,12 +349,13 @@ class SpeculationController:
                 # Only the lookup's misses kept this step plain, and the next lookup may hit: skip lookups only
                 # for a method whose lookups seldom find drafts (their host time would not pay).
                 self.lookup_hit_rate += (float(any(cap_row)) - self.lookup_hit_rate) / 16
+                self._lookup_saved(0.0)
                 # (Held for replan_every steps: a lookup that hits after the text turns repetitive drafts, and on a
                 # large model a hit is worth far more than a lookup costs: doubling these holds, SmolLM2 ngram at
                 # batch 1 greedy drafted in 1% of steps, 1.01x plain, fixed K = 2 1.26x. Longer only while
                 # planning costs more than max_planning_share of a plain step.)
                 limit = 0
-                if self.lookup_hit_rate < cfg.min_lookup_hits:
+                if self.lookup_hit_rate < cfg.min_lookup_hits or (not one_lookup and self._lookups_dear(rows, plan)):
                     limit = cfg.replan_every << (min(self._held_plans, 3) if self._planning_dear(rows, plan.sampled)
                                                  else 0)
                     limit -= 1
@@ -367,6 +376,22 @@ class SpeculationController:
         held_caps = caps if held is None else held[1]
         self._held_idle = [rid for rid, c in zip(plan.request_ids, held_caps) if not c] if hold else []
         return Decision(k=k, caps=np.array(caps, np.int32), detached=detached, hold=hold, held=held)
+
+    def _lookup_saved(self, seconds: float) -> None:
+        """One plan's :attr:`lookup_saving` (it starts at the first hit: before any, ``min_lookup_hits`` alone
+        decides)."""
+        last = self.lookup_saving
+        if last is None:
+            self.lookup_saving = seconds or None
+        else:
+            self.lookup_saving = last + (seconds - last) / 16
+
+    def _lookups_dear(self, rows: int, plan: RowCaps) -> bool:
+        """Several rows' host lookups saved less step time per plan, recently, than a full plan costs: a plan
+        kept plain by their misses is then held like one where lookups seldom hit (ngram at batch 8 on the shipped
+        target: a ~0.3 ms plan before each ~3.5 ms step, drafting in 10% of them, ran 0.94x plain)."""
+        saved = self.lookup_saving
+        return saved is not None and saved < self.costs.full_plan(rows, plan.sampled)
 
     def _planning_dear(self, rows: int, sampled: bool) -> bool:
         """The controller's planning costs more per attached step of the bucket than ``max_planning_share`` of a

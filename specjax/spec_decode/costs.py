@@ -48,7 +48,8 @@ class CostModel:
     still chosen: shipped pair, eagle3 at batch 1 T 0.8, after a long detached stretch the drafting K = 2 fell
     back to 6.4 ms, 2.5x the target alone, where the fixed K = 2 system's steps implied ~5 ms. (Scaling plain
     and drafting kinds apart, tried before, estimated the target alone from the attached plain step's ratio
-    where it was measured itself; see benchmarks/README.md.)"""
+    where it was measured itself; see benchmarks/README.md.) A kind with neither goes by its twin of the other
+    sampling where that one was measured (:meth:`_twin_seconds`)."""
 
     def __init__(self, window: int, max_age: int = 0):
         self.window = window
@@ -66,6 +67,7 @@ class CostModel:
         self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement (kept after
         # its measurements expire: the kinds ever measured in a real step, or set)
         self._planning: dict[tuple, collections.deque] = {}  # (rows, sampled) -> planning seconds per step
+        self._full_plans: dict[tuple, collections.deque] = {}  # (rows, sampled) -> seconds of each full plan
         self._relative: dict[tuple, float] = {}  # kind -> its real / warmup ratio over its bucket's other kinds'
         # (median), as last read while it was chosen with RELATION_MIN_STEPS or more measurements
 
@@ -104,12 +106,21 @@ class CostModel:
         return self._seconds
 
     def _flush(self) -> None:
-        """Bring the medians and costs of every bucket measured since the last read up to date."""
-        while self._dirty:
-            bucket, changed = self._dirty.popitem()
+        """Bring the medians and costs of every bucket measured since the last read up to date (and of the twin
+        of each bucket with new real measurements: see :meth:`_twin_seconds`)."""
+        if not self._dirty:
+            return
+        dirty, self._dirty = self._dirty, {}
+        measured = {}
+        for bucket, changed in dirty.items():
             for key, warmup in changed:
                 self._median[key, warmup] = _median((self._warm if warmup else self._real)[key])
-            self._refresh(bucket, {key for key, warmup in changed if not warmup})
+            measured[bucket] = {key for key, warmup in changed if not warmup}
+        for (rows, sampled), keys in list(measured.items()):
+            if keys and (rows, not sampled) in self._kinds:
+                measured.setdefault((rows, not sampled), set())
+        for bucket, keys in measured.items():
+            self._refresh(bucket, keys)
 
     def _refresh(self, bucket: tuple, measured: set = frozenset()) -> None:
         """Recompute the costs of ``bucket`` = (rows, sampled), then their cap: a suffix minimum in work order
@@ -132,11 +143,32 @@ class CostModel:
             if others and len(self._real[kk]) >= min(self.window, RELATION_MIN_STEPS):
                 self._relative[kk] = ratios[kk] / _median(others)
         for kk in kinds:
-            self._seconds[kk] = real[kk] if kk in real else med[kk, True] * scale * self._relative.get(kk, 1.0)
+            if kk in real:
+                self._seconds[kk] = real[kk]
+            elif kk not in self._relative and (twin := self._twin_seconds(kk)) is not None:
+                self._seconds[kk] = twin
+            else:
+                self._seconds[kk] = med[kk, True] * scale * self._relative.get(kk, 1.0)
         low = math.inf
         for kk in sorted(kinds, key=lambda kk: (not kk[2], kk[1]), reverse=True):
             low = min(low, self._seconds[kk])
             self._capped[kk] = low
+
+    def _twin_seconds(self, key: tuple) -> float | None:
+        """A kind never measured in a real step of its bucket, from its twin (the same kind with greedy and
+        sampled swapped) where that one has current real measurements: the twin's real time x the ratio of the
+        two kinds' warmup times (None where there is no twin to go by). Warmup times the sampler's extra work
+        for the same executable fairly, while its all-padding rows are off by a different factor for each kind.
+        Shipped pair, draft_model at batch 8 (bench_adaptive at db5803e): after a greedy load ran detached at
+        2.93 ms, the sampled load read a detached step at 4.25 ms from its bucket's drafting kinds' scale, drafted
+        K = 1 in 93% of its steps and ran 0.90x plain. In a shorter run of the same loads (greedy detached 2.50
+        ms real / 1.73 warmup; sampled detached warmup 2.01) the twin's rule gives 2.90 ms where the sampled load,
+        which detached there, measured 2.91."""
+        twin = (*key[:3], not key[3])
+        if twin not in self._real or key not in self._warm or twin not in self._warm or self.age(twin) >= (
+                self.max_age or math.inf):
+            return None
+        return self._median[twin, False] * self._median[key, True] / self._median[twin, True]
 
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
@@ -151,15 +183,23 @@ class CostModel:
             return math.inf
         return self._clock.get((key[0], key[3]), 0) - self._stamp[key]
 
-    def observe_planning(self, bucket: tuple, seconds: float) -> None:
+    def observe_planning(self, bucket: tuple, seconds: float, *, full: bool = True) -> None:
         """The host time the controller's planning took before an attached decoding step of ``bucket`` = (rows,
-        sampled) (a full plan, or a held one's few lookups)."""
+        sampled): a ``full`` plan, or a held one's few lookups."""
         if self.frozen:
             return
-        times = self._planning.get(bucket)
-        if times is None:
-            times = self._planning[bucket] = collections.deque(maxlen=self.window)
-        times.append(seconds)
+        for store, keep in ((self._planning, True), (self._full_plans, full)):
+            if keep:
+                times = store.get(bucket)
+                if times is None:
+                    times = store[bucket] = collections.deque(maxlen=self.window)
+                times.append(seconds)
+
+    def full_plan(self, rows: int, sampled: bool = False) -> float:
+        """Mean host time of a full plan (not a held one's) before an attached step of the bucket (0 before any
+        was measured)."""
+        times = self._full_plans.get((rows, sampled))
+        return sum(times) / len(times) if times else 0.0
 
     def planning(self, rows: int, sampled: bool = False) -> float:
         """Mean planning time per attached decoding step of the bucket (0 before any was measured)."""

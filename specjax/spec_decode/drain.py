@@ -91,7 +91,7 @@ def drain_gains(reach: list[list[float]], cap_row: list[int], remaining: list[in
     row waits (ngram at batch 8: the rows whose lookups found drafts finished first, the batch then waited on two
     rows that never found any, 0.89-0.92x plain). Then one plus that (the drain's tokens per step) is scaled by
     the drain's expected length drafting at K with every row at its mean pace, over its expected length with
-    each row's luck (<= 1; 1 for a single row).
+    each row's luck (<= 1; 1 for a single row); where the drafts take nothing off the drain, the gain is 0.
     """
     drafting = [r for r, c in enumerate(cap_row) if c > 0]
     if not drafting:
@@ -109,7 +109,10 @@ def drain_gains(reach: list[list[float]], cap_row: list[int], remaining: list[in
     gains = [0.0]
     for k in range(1, k_max + 1):
         per_step = last - max(last_drafting - accepted[k] / n, last_other)
-        gains.append((1.0 + per_step) * _luck(mean_reach, rows, k, last_other) - 1.0)
+        # Drafts that take nothing off the drain (a row without drafts ends it) gain nothing; their luck
+        # (<= 1) would only lower that, and is the costly part of a plan (ngram at batch 8: most plans, where
+        # a last row's lookup found nothing).
+        gains.append((1.0 + per_step) * _luck(mean_reach, rows, k, last_other) - 1.0 if per_step > 0 else 0.0)
     return gains
 
 
