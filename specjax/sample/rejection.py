@@ -42,6 +42,7 @@ from pallas_kernels.rejection import (
     rejection_sample_reference,
     standard_verify_xla,
 )
+from specjax.sample import prng
 from specjax.sample.transforms import row_exponentials
 
 __all__ = [
@@ -72,7 +73,7 @@ def row_keys(key, batch: int) -> jax.Array:
                              f"{key.dtype} {key.shape}")
         key = jax.random.wrap_key_data(key)
     if key.ndim == 0:
-        return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
+        return prng.fold_in(key, jnp.arange(batch, dtype=jnp.uint32))
     if key.shape != (batch,):
         raise ValueError(f"key: per-row keys must have batch size {batch}, got shape {key.shape}")
     return key
@@ -85,9 +86,8 @@ def draw_rejection_noise(keys: jax.Array, num_positions: int, vocab: int,
     ``need_exponentials`` (traced bool ok) skips the ``[B, V]`` draw when no row samples
     (all greedy); the values of sampling rows never depend on it.
     """
-    split = jax.vmap(jax.random.split)(keys)  # [B, 2]
-    k_accept, k_sample = split[:, 0], split[:, 1]
-    uniforms = jax.vmap(lambda k: jax.random.uniform(k, (num_positions,), jnp.float32))(k_accept)  # [B, K]
+    k_accept, k_sample = prng.split2(keys)  # [B] each
+    uniforms = prng.uniform(k_accept, (num_positions,))  # [B, K]
     shape = (keys.shape[0], vocab)
     exps = jax.lax.cond(
         jnp.asarray(need_exponentials),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from specjax.sample import prng
 
 # One copy of the primitives, kept beside the kernels (pallas_kernels imports nothing from specjax).
 from pallas_kernels.sampling_ops import (  # noqa: F401  (re-exported)
@@ -58,7 +59,7 @@ def row_exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     Drawing per row (not one draw for the whole batch) is what makes a seeded
     request's samples independent of its batch neighbours.
     """
-    noise = jax.vmap(lambda k: jax.random.exponential(k, shape, jnp.float32))(keys)
+    noise = prng.exponential(keys, shape)
     # exponential() returns exactly 0 with probability ~2**-23 per element; in the race that is
     # -log(0) = +inf, and -inf + inf = NaN for a masked token. Clamp to the smallest normal float.
     return jnp.maximum(noise, jnp.finfo(jnp.float32).tiny)
@@ -92,8 +93,5 @@ def request_keys(
     request's own output position (not the engine step), so a preempted-and-recomputed request, or
     one batched differently, draws the same noise.
     """
-    if streams is None:
-        return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base_key, s), i))(seeds, step_indices)
-    return jax.vmap(
-        lambda st, s, i: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base_key, st), s), i)
-    )(streams, seeds, step_indices)
+    keys = base_key if streams is None else prng.fold_in(base_key, streams)
+    return prng.fold_in(prng.fold_in(keys, seeds), step_indices)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from specjax.sample import prng
 from specjax.sample.transforms import argmax_last, row_exponentials, sample_with_exponentials, shape_logits
 
 _DRAFT_KEY_TAG = 0x44524654  # "DRFT"
@@ -24,8 +25,8 @@ def draft_keys(keys: jax.Array) -> Callable[[int], jax.Array]:
     A tag of its own first: with partitionable threefry, split(key)[i] == fold_in(key, i), so folding in
     small ints directly would reuse the verifier's noise (it splits the same row key) and bias the output.
     """
-    base = jax.vmap(lambda key: jax.random.fold_in(key, _DRAFT_KEY_TAG))(keys)
-    return lambda j: jax.vmap(lambda key: jax.random.fold_in(key, j))(base)
+    base = prng.fold_in(keys, _DRAFT_KEY_TAG)
+    return lambda j: prng.fold_in(base, j)
 
 
 def draw_draft(
