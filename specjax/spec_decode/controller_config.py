@@ -1,0 +1,113 @@
+"""The adaptive controller's knobs (:class:`ControllerConfig`; the controller itself is in
+:mod:`specjax.spec_decode.controller`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+LEARN_DRAFTS_PER_REQUEST = 4
+"""Verified drafts after which a request counts towards ``learn_requests``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    """Knobs of the adaptive controller (defaults are what ``"adaptive": true`` uses)."""
+
+    prior_strength: float = 4.0
+    """Pseudo-observations of the method's running average in each request's estimate, at least (see
+    ``max_prior_strength``)."""
+    max_prior_strength: float = 64.0
+    """At most this many: between the two, the weight the spread of the last 64 finished requests' acceptance
+    beyond chance gives (:func:`~specjax.spec_decode.acceptance.prior_strength`). Sampled drafts are noisy: the
+    shipped EAGLE-3 head at batch 1, T 0.8 saw requests' estimates swing from 0.3 to 0.8 at position 1 (the
+    method's 0.68) and detached requests whose drafts paid 1.2x the target alone."""
+    initial_acceptance: float = 0.6
+    """Per-position conditional acceptance assumed before any draft of the method was verified."""
+    min_gain: float = 0.02
+    """A row drafts position j only while it adds at least this many expected tokens."""
+    cost_window: int = 32
+    """A step kind's cost is the median of its last this-many measurements (with 8, ngram at batch 1 read K = 4
+    1.26x dearer than K = 3 on steps within ~5% of each other, and drafted K = 3 in a third of drafting steps)."""
+    cost_max_age: int = 64
+    """Real measurements of a step kind not chosen in this many real steps of its bucket are forgotten (0 =
+    never): the kind falls back to its warmup time scaled like the others, so a kind measured once in a slow
+    moment and never chosen since gets tried again (at most one step in this many)."""
+    min_speedup: float = 1.1
+    """Drafting must promise this many times the expected tokens per second of a plain step: the rates leave
+    out measurement noise and the proposer's prefill, and "never slower than plain" wants a margin."""
+    learn_drafts: int = 32
+    """Drafts of the method (greedy and sampled apart) verified before its prior may stop drafting: until
+    then the controller drafts to learn the acceptance, at the K that is best with the acceptance at its
+    optimistic bound (``learn_z``), and never prefills detached, as long as drafting could pay at that bound."""
+    learn_requests: int = 4
+    """Learning lasts, and ends early (``learn_z``), only until this many requests had
+    ``LEARN_DRAFTS_PER_REQUEST`` drafts verified; where the bound cannot pay before that, a request with fewer
+    learns at K = 1. One request's drafts are not independent: the shipped EAGLE-3 head at T 0.8 saw its first
+    8 sampled drafts, all of one prompt, rejected, and every later request was prefilled detached (0.97x
+    plain, fixed K = 4 1.09x); with two requests, its first 40 drafts read 0.43 at position 1 (0.73 over four)
+    and the same happened (0.96x)."""
+    learn_z: float = 2.0
+    """While learning, each position's acceptance is taken at its Wilson upper bound, this many standard
+    deviations above the verified drafts (1 before any): when even that cannot pay, learning ends early (a
+    head whose first 8 drafts all fail is bounded at 0.33, after 16 at 0.2)."""
+    detach_after: int = 8
+    """Consecutive decoding steps a detached plain step must win before the controller detaches."""
+    detach_z: float = 2.0
+    """Detaching (irreversible) takes each row's acceptance no lower than the method's where the row's own
+    drafts do not put it below with confidence: their Wilson upper bound this many standard deviations up.
+    Without it a few unlucky sampled drafts detached whole requests: eagle3 at batch 1, T 0.8 on the shipped
+    pair, each request accepting 0.64-1.0 of its first drafts, ran 27% of its steps detached. 0: the row's
+    estimate alone."""
+    probe_every: int = 32
+    """A row that has not drafted for this many decoding steps drafts one token (0 = never probe); the wait
+    doubles after each probe of the same request."""
+    replan_every: int = 8
+    """A decision without drafts serves this many decoding steps of the same rows (0 or 1 = plan every step),
+    twice as many for each such decision in a row for the same rows (up to 8x): without drafts nothing it rests
+    on changes but the step costs, which move slowly, and planning is host work a plain step pays over plain
+    decoding (0.3-0.4 ms of a 3.6 ms step on the shipped target with numpy arithmetic). It ends sooner where a
+    probe falls due, while detaching is being voted on, and when the rows change; where only a host lookup's
+    misses kept the step from drafting, it holds only while such lookups seldom hit (``min_lookup_hits``)."""
+    draft_replan_every: int = 4
+    """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), each
+    row drafting up to its cap, unless it probes, explores a neighbouring K, learns the method's acceptance,
+    detaching is being voted on, or the drafts of several rows come from a host lookup (whether verifying what
+    a lookup finds pays changes every step: ngram at batch 8 held such plans at 0.89x plain; one row's held
+    step verifies what its lookup finds, up to the cap, or runs plain): planning is host work (5-13% of a
+    drafting step on the shipped target with numpy arithmetic), and a row's estimate moves little in a few
+    steps."""
+    explore_every: int = 16
+    """Of the new requests whose prefill the controller would run detached, one per this many batches' worth
+    (x 32 at batch 32) is prefilled attached and probes one draft in its first decoding step (0 = never): else
+    the method's estimate sees no more drafts once prefills detach, and a low early estimate stands for good
+    (eagle3 at batch 1, T 0.8: 0.90x plain, fixed K = 2 1.04x). Per batch, as at batch 32 every row's steps
+    run attached until the vote detaches again (one per 16 prefill decisions: 0.95x plain, none 0.99x)."""
+    min_lookup_hits: float = 0.1
+    """A plan kept plain only because a host lookup found no drafts is held only while fewer than this share of
+    recent such lookups found any (ngram at batch 1: about half of greedy lookups hit, ~5% at T 0.8), or, with
+    several rows, while their lookups saved less step time per plan than a full plan costs
+    (:attr:`SpeculationController.lookup_saving`)."""
+    max_planning_share: float = 0.01
+    """Where only a host lookup's misses keep steps plain and lookups seldom hit, such a plan is held for
+    ``replan_every`` steps, and twice as long for each such plan in a row for the same rows (up to 8x) while the
+    controller's planning costs more than this share of a plain step (ngram at batch 1, T 0.8 on the shipped
+    target: a plan with its lookup every 8 steps, ~0.33 ms each in a ~2 ms step, read 0.93-0.97x plain)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prior_strength", "max_prior_strength", "min_gain", "min_speedup", "learn_z", "detach_z",
+                     "min_lookup_hits", "max_planning_share"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.max_prior_strength < self.prior_strength:
+            raise ValueError(f"max_prior_strength must be >= prior_strength ({self.prior_strength}), got "
+                             f"{self.max_prior_strength!r}")
+        if not (0.0 <= self.initial_acceptance <= 1.0):
+            raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
+        for name, low in (("cost_window", 1), ("cost_max_age", 0), ("learn_drafts", 0), ("learn_requests", 1),
+                          ("detach_after", 0),
+                          ("probe_every", 0), ("replan_every", 0), ("draft_replan_every", 0), ("explore_every", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
