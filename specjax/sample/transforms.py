@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from specjax.sample import prng
 
 # One copy of the primitives, kept beside the kernels (pallas_kernels imports nothing from specjax).
 from pallas_kernels.sampling_ops import (  # noqa: F401  (re-exported)
@@ -25,6 +24,7 @@ from pallas_kernels.sampling_ops import (  # noqa: F401  (re-exported)
     sample_with_exponentials,
     transform_logits,
 )
+from specjax.sample import prng
 
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
