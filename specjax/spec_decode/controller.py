@@ -65,9 +65,9 @@ class SpeculationController:
         """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that drafted or
         would have had it found them all."""
         self.lookup_saving: float | None = None
-        """Over the same plans (an EMA over ~16; None before the first hit): the step time a plan's lookups saved, a plain
-        step's cost x (1 - its rate / the drafting rate) where they found drafts worth verifying, 0 where they
-        missed (see ``max_planning_share``)."""
+        """Over the same plans (an EMA over ~16; None before the first hit): the step time a plan's lookups
+        saved, a plain step's cost x (1 - its rate / the drafting rate) where they found drafts worth verifying,
+        0 where they missed (see ``ControllerConfig.min_lookup_hits``)."""
         self.k_histogram = [0] * (k_max + 1)
         self.num_detached_steps = 0
         self.num_detached_prefills = 0

@@ -18,6 +18,11 @@ def _median(values) -> float:
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
+def _mean(values) -> float:
+    """The mean of a few numbers; 0 for none (or None)."""
+    return sum(values) / len(values) if values else 0.0
+
+
 def _more_work(a: tuple[int, bool], b: tuple[int, bool]) -> bool:
     """Step kind ``b`` = (K, detached) does strictly more work than ``a``: detached plain < attached K=0 < K=1..."""
     return (b[1], -b[0]) < (a[1], -a[0])
@@ -188,23 +193,18 @@ class CostModel:
         sampled): a ``full`` plan, or a held one's few lookups."""
         if self.frozen:
             return
-        for store, keep in ((self._planning, True), (self._full_plans, full)):
-            if keep:
-                times = store.get(bucket)
-                if times is None:
-                    times = store[bucket] = collections.deque(maxlen=self.window)
-                times.append(seconds)
+        self._planning.setdefault(bucket, collections.deque(maxlen=self.window)).append(seconds)
+        if full:
+            self._full_plans.setdefault(bucket, collections.deque(maxlen=self.window)).append(seconds)
 
     def full_plan(self, rows: int, sampled: bool = False) -> float:
         """Mean host time of a full plan (not a held one's) before an attached step of the bucket (0 before any
         was measured)."""
-        times = self._full_plans.get((rows, sampled))
-        return sum(times) / len(times) if times else 0.0
+        return _mean(self._full_plans.get((rows, sampled)))
 
     def planning(self, rows: int, sampled: bool = False) -> float:
         """Mean planning time per attached decoding step of the bucket (0 before any was measured)."""
-        times = self._planning.get((rows, sampled))
-        return sum(times) / len(times) if times else 0.0
+        return _mean(self._planning.get((rows, sampled)))
 
     def estimate(self, rows: int, k: int, detached: bool, sampled: bool = False) -> float:
         """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
