@@ -285,7 +285,7 @@ class Engine:
         self._held = 0  # decoding steps the controller's last plan still serves (Decision.hold) ...
         self._held_key = (b"", False)  # ... for these rows' slots (int64 [R] as bytes: cheaper to compare), in
         # order, and whether requests waited (a plan made while the batch drained must not outlive it) ...
-        self._held_plan: tuple[int, np.ndarray] = (0, np.zeros(0, np.int32))  # ... with this K and these caps
+        self._held_plan: tuple[int, list[int]] = (0, [])  # ... with this K and these caps
         self._planned = True  # the last decoding step's plan was made in full (not a held one)
 
     # ------------------------------------------------------------------ buckets
@@ -381,17 +381,19 @@ class Engine:
             remaining = None if waiting else self._remaining(rows)
             wanted = self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits,
                                               can_draft, remaining)
-            limits = np.asarray(wanted.caps, np.int32)  # rows not worth drafting are not even looked up
+            limits = wanted.caps  # rows not worth drafting are not even looked up
         host_drafts = None
         if self.proposer.host_side and k:
             host_drafts, limits = self._lookup(ids, slots, limits, remaining)
         if self.controller is None:  # a static K: the step verifies K drafts whenever any row has one
-            return (k if limits.any() else 0), limits, host_drafts, False
+            return (k if any(limits) else 0), np.array(limits, np.int32), host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
         self._held, self._held_key = plan.hold, key
-        self._held_plan = plan.held or (plan.k, plan.caps)
-        return plan.k, np.minimum(limits, plan.caps).astype(np.int32), host_drafts, plan.detached and self.proposer.syncs
+        k_held, caps_held = plan.held or (plan.k, plan.caps)
+        self._held_plan = k_held, caps_held.tolist()
+        caps = [min(a, b) for a, b in zip(limits, plan.caps.tolist())]
+        return plan.k, np.array(caps, np.int32), host_drafts, plan.detached and self.proposer.syncs
 
     def _held_step(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
         """A step of the same rows under the controller's last plan (:attr:`Decision.hold`), without planning:
@@ -403,19 +405,20 @@ class Engine:
             self.controller.held_step(0)
             return 0, np.zeros(len(rows), np.int32), None, False
         limits, _ = self._row_limits(rows, slots, k)
-        np.minimum(limits, caps, out=limits)
+        limits = [min(a, b) for a, b in zip(limits, caps)]
         host_drafts = None
         if self.proposer.host_side:
             host_drafts, limits = self._lookup([r.request.request_id for r in rows], slots, limits)
-        k = int(limits.max())
+        k = max(limits)
         self.controller.held_step(k)
-        return k, limits, host_drafts, False
+        return k, np.array(limits, np.int32), host_drafts, False
 
-    def _row_limits(self, rows, slots: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(int32 [R]: the most drafts each row can verify, bool [R]: its proposer state is current). Drafts only
-        where they can commit: never past max_tokens or max_model_len."""
-        # Per row in Python: this runs every decoding step, right after a step has streamed the weights through
-        # the caches, where each numpy call on these few-element arrays cost ~10 us (seven of them: 67 us).
+    def _row_limits(self, rows, slots: np.ndarray, k: int) -> tuple[list[int], list[bool]]:
+        """([R]: the most drafts each row can verify, [R]: its proposer state is current). Drafts only where
+        they can commit: never past max_tokens or max_model_len."""
+        # Python lists, here and through the plan: this runs every decoding step, right after a step has streamed
+        # the weights through the caches, where each numpy call on these few-element arrays cost ~10 us (seven of
+        # them: 67 us), and the first ufunc ~45 us (np.minimum of two 1-element arrays, batch 1: then 1.3 us).
         table, max_len = self.scheduler.slots, self.config.max_model_len
         synced, ready = table.synced, table.ready_drafts if self.proposer.drafts_ahead else None
         limits, can_draft = [], []
@@ -430,7 +433,7 @@ class Engine:
                     n = min(n, int(ready[slot]))
             limits.append(n)
             can_draft.append(can)
-        return np.array(limits, np.int32), np.array(can_draft, bool)
+        return limits, can_draft
 
     def _remaining(self, rows) -> np.ndarray:
         """int64 [R]: tokens each row may still generate (max_tokens and max_model_len; an end-of-sequence token
@@ -438,9 +441,9 @@ class Engine:
         return np.array([min(r.request.params.max_tokens - len(r.request.output_token_ids),
                              self.config.max_model_len - r.request.num_tokens) for r in rows], np.int64)
 
-    def _lookup(self, ids: list[str], slots: np.ndarray, limits: np.ndarray,
-                remaining: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
-        """A host proposer's drafts for each row (at most ``limits`` each) and how many it found (int32 [R]).
+    def _lookup(self, ids: list[str], slots: np.ndarray, limits: list[int],
+                remaining: np.ndarray | None = None) -> tuple[list[np.ndarray], list[int]]:
+        """A host proposer's drafts for each row (at most ``limits`` each) and how many it found ([R]).
 
         With ``remaining`` (a draining batch, :attr:`RowCaps.remaining`) the rows with the most tokens left are
         looked up first, one by one, and the others only if each of those found drafts: else no draft can
@@ -449,7 +452,7 @@ class Engine:
         # Python lists: this runs every step a host proposer may draft, right after a step, where each numpy call
         # on these few-element arrays costs ~5-10 us (with numpy, ngram at batch 8 spent ~60 us a step here outside
         # the lookups themselves).
-        n, lim = len(ids), limits.tolist()
+        n, lim = len(ids), limits
         drafts, found = [EMPTY_DRAFTS] * n, [0] * n
         groups = [[i for i in range(n) if lim[i]]]
         if remaining is not None:
@@ -468,7 +471,7 @@ class Engine:
                 drafts[i], found[i] = d, len(d)
             if remaining is not None and not all(found[i] for i in rows):
                 break
-        return drafts, np.array(found, np.int32)
+        return drafts, found
 
     def draft_ahead(self, k: int, decoding: bool) -> int:
         """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all

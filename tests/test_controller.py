@@ -858,19 +858,19 @@ def test_a_draining_lookup_stops_at_a_longest_row_without_drafts():
 
     fake = SimpleNamespace(scheduler=SimpleNamespace(slots=SimpleNamespace(history=lambda s: np.arange(5))),
                            proposer=SimpleNamespace(propose_host=propose_host))
-    ids, slots, limits = ["a", "miss", "c"], np.arange(3), np.asarray([K, K, K], np.int32)
+    ids, slots, limits = ["a", "miss", "c"], np.arange(3), [K, K, K]
     drafts, found = Engine._lookup(fake, ids, slots, limits)
-    assert asked == ids and found.tolist() == [2, 0, 2]
+    assert asked == ids and found == [2, 0, 2]
     # Draining: "a" and "miss" have the most left; "miss" finds nothing, so "c" is not looked up.
     asked.clear()
     drafts, found = Engine._lookup(fake, ids, slots, limits, np.asarray([9, 9, 5]))
-    assert asked == ["a", "miss"] and found.tolist() == [2, 0, 0] and len(drafts[2]) == 0
+    assert asked == ["a", "miss"] and found == [2, 0, 0] and len(drafts[2]) == 0
     asked.clear()
     drafts, found = Engine._lookup(fake, ids, slots, limits, np.asarray([9, 5, 9]))  # the longest rows hit
-    assert asked == ["a", "c", "miss"] and found.tolist() == [2, 0, 2]
+    assert asked == ["a", "c", "miss"] and found == [2, 0, 2]
     asked.clear()
-    drafts, found = Engine._lookup(fake, ids, slots, np.asarray([0, K, K], np.int32), np.asarray([9, 5, 5]))
-    assert asked == [] and not found.any()  # the longest row may not draft: no lookup at all
+    drafts, found = Engine._lookup(fake, ids, slots, [0, K, K], np.asarray([9, 5, 5]))
+    assert asked == [] and not any(found)  # the longest row may not draft: no lookup at all
 
 
 def test_a_draining_batch_counts_its_drafting_rows_at_their_mean_acceptance():

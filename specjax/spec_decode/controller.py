@@ -193,7 +193,7 @@ class SpeculationController:
         draft_k = learn_k or draft_k
         detached = measure = False
         probes = any(p and c > 0 for p, c in zip(plan.probing, cap_row))
-        stale = can_draft is not None and not np.any(can_draft)
+        stale = can_draft is not None and not any(can_draft)
         if (not drafting and self._detach_wins(draft_rate, attached_rate, detached_rate)
                 and (stale or self._detach_sure(rows, plan, cap_row))):
             self._detach_votes += 1
