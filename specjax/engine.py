@@ -287,6 +287,8 @@ class Engine:
         # order, and whether requests waited (a plan made while the batch drained must not outlive it) ...
         self._held_plan: tuple[int, list[int]] = (0, [])  # ... with this K and these caps
         self._planned = True  # the last decoding step's plan was made in full (not a held one)
+        self._last_kind: tuple | None = None  # (bucket, detached) of the last step: a step of another kind runs
+        # cold (see CostModel)
 
     # ------------------------------------------------------------------ buckets
 
@@ -546,10 +548,12 @@ class Engine:
         elapsed = time.perf_counter() - start_time
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
-            self.controller.costs.observe((bucket[0], k, detached, sampled), time.perf_counter() - run_start)
+            self.controller.costs.observe((bucket[0], k, detached, sampled), time.perf_counter() - run_start,
+                                          switched=self._last_kind != (bucket, detached))
             if not detached:
                 self.controller.costs.observe_planning((bucket[0], sampled), run_start - plan_start,
                                                        full=self._planned)
+        self._last_kind = bucket, detached
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         return finished

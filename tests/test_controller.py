@@ -226,6 +226,37 @@ def test_a_neighbouring_k_not_measured_in_real_steps_is_tried_once_per_cost_max_
     assert {_decide(quiet, 1, ["a"], [False], [K], [True]).k for _ in range(12)} == {K}
 
 
+def test_a_step_right_after_another_kind_counts_only_until_its_kind_is_timed_in_a_run():
+    c = _controller({}, cost_max_age=0)
+    key = (1, 3, False, False)
+    c.costs.observe(key, 3.0, switched=True)  # explored: its step ran right after a step of another kind
+    assert c.costs.estimate(1, 3, False) == 3.0  # (nothing better known)
+    c.costs.observe(key, 2.0)  # its next step, in a run of it: replaces the cold one
+    assert c.costs.estimate(1, 3, False) == 2.0
+    for _ in range(2):  # later cold steps of it are not what it costs in a run (counted, they would be the median)
+        c.costs.observe(key, 9.0, switched=True)
+    assert c.costs.estimate(1, 3, False) == 2.0
+    c.costs.observe(key, 2.2)
+    assert c.costs.estimate(1, 3, False) == pytest.approx(2.1)
+    other = (1, 2, False, False)  # a kind only ever visited for one step is costed by those steps
+    for seconds in (4.0, 5.0, 6.0):
+        c.costs.observe(other, seconds, switched=True)
+    assert c.costs.estimate(1, 2, False) == 2.1  # (capped by K=3, which does more work)
+    assert c.costs.seconds[other] == 5.0
+
+
+def test_an_explored_neighbour_runs_two_steps_so_the_second_is_timed_in_a_run():
+    c = _controller({}, cost_max_age=8)
+    for k in range(K + 1):  # warmup only: K=4 looks best, K=3 was never measured in a real step
+        c.costs.observe((1, k, False, False), 1.0 + 0.01 * k, warmup=True)
+    _teach(c, "a", 1.0)
+    explored = _decide(c, 1, ["a"], [False], [K], [True])
+    assert explored.k == K - 1 and explored.hold == 1
+    c.costs.observe((1, K - 1, False, False), 1.03)
+    chosen = _decide(c, 1, ["a"], [False], [K], [True])
+    assert chosen.k == K and chosen.hold == ControllerConfig().draft_replan_every - 1
+
+
 def test_while_learning_k_is_chosen_at_the_optimistic_acceptance_so_deeper_positions_are_taught():
     # Costs rise 0.3 per K: at the prior (0.6 per position) K = 1 is best, and K = 2..4 would never be tried.
     costs = {(1, k, False): 1.0 + 0.3 * k for k in range(K + 1)}

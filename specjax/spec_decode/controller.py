@@ -212,6 +212,7 @@ class SpeculationController:
             k = draft_k
         else:
             k = self._explore(rows, draft_k, cap_row, plan.sampled) if drafting else 0
+        explored = drafting and k != draft_k
         if k == 0 and not detached and probes:
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
         caps = [min(c, k) for c in cap_row]
@@ -267,6 +268,8 @@ class SpeculationController:
             if found is not None:  # caps as if the lookup had found every draft asked for (not only this one's)
                 k_found = k if found_all else self._could_draft(rows, plan) or k
                 held = self._hit_plan(plan, k_found)
+        elif explored and found is None and not probes and not self._detach_votes:
+            hold = max(0, min(1, plan.until_probe - 1))  # its first step ran cold, its second is timed (CostModel)
         held_caps = caps if held is None else held[1]
         self._held_idle = [rid for rid, c in zip(plan.request_ids, held_caps) if not c] if hold else []
         return Decision(k=k, caps=np.array(caps, np.int32), detached=detached, hold=hold, held=held)
@@ -336,7 +339,9 @@ class SpeculationController:
         """``k``, or a neighbouring drafting K whose cost was not measured in a real step for ``cost_max_age``
         steps of the bucket (once per that many steps each): warmup's all-padding steps time each kind only
         roughly, and without real measurements of its neighbours the chosen K could never be found wrong. A
-        neighbour costs about what ``k`` costs, and its drafts are verified as exactly."""
+        neighbour costs about what ``k`` costs, and its drafts are verified as exactly. Where the engine holds
+        plans without host lookups, the neighbour runs two steps (:attr:`Decision.hold`): the first runs cold,
+        the second is what the kind costs in a run (see ``CostModel``)."""
         max_age = self.config.cost_max_age
         if max_age:
             for kk in (k + 1, k - 1):

@@ -39,6 +39,15 @@ class CostModel:
     warmup ratio of the kinds of its bucket that were (else a kind the controller keeps choosing would be
     compared in real time against the others in warmup time).
 
+    A step right after a step of another kind (or a prefill) runs cold: its executable's code and buffers are
+    out of the caches (shipped pair, draft_model at batch 1, greedy, medians: K = 3 steps cost 2.12 ms right
+    after another kind, 1.96 ms after a K = 3 step; the K = 4 steps it explored, all right after others, 2.56
+    ms, where a fixed K = 4 ran 0.26 ms dearer than a fixed K = 3). Plans hold, so a chosen
+    kind runs in runs; its cost is what a step costs in one. Such cold steps count only for a kind that has
+    not been measured in a run (a kind the controller only ever visits for one step is compared at what one
+    step costs), and its first step in a run replaces them; the controller explores a neighbouring K for two
+    steps in a row (see ``SpeculationController._explore``).
+
     A step's measurement leaves out the controller's planning before it, which is paid whichever kind the plan
     picks (ngram at batch 1 on the shipped target read plain steps, mostly chosen by full plans, as dear as K =
     4 steps, mostly held ones); the mean planning time per attached step is added to every attached kind's
@@ -75,9 +84,11 @@ class CostModel:
         self._full_plans: dict[tuple, collections.deque] = {}  # (rows, sampled) -> seconds of each full plan
         self._relative: dict[tuple, float] = {}  # kind -> its real / warmup ratio over its bucket's other kinds'
         # (median), as last read while it was chosen with RELATION_MIN_STEPS or more measurements
+        self._in_run: set[tuple] = set()  # kinds whose current real measurements come from runs of them
 
-    def observe(self, key: tuple, seconds: float, *, warmup: bool = False) -> None:
-        """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup.
+    def observe(self, key: tuple, seconds: float, *, warmup: bool = False, switched: bool = False) -> None:
+        """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup; ``switched``: the
+        step before it was of another kind (or a prefill), so it ran cold (see the class docstring).
 
         Runs every step, so it only records: medians and the envelope are recomputed when a cost is next read
         (plans are made far less often than steps run)."""
@@ -86,8 +97,17 @@ class CostModel:
         bucket = (key[0], key[3])
         store = self._warm if warmup else self._real
         times = store.get(key)
-        if not warmup and times is not None and key in self._warm and self.age(key) >= self.max_age > 0:
-            times = None  # stale (as the next refresh would find it): the new measurement starts over
+        if not warmup:
+            if times is not None and key in self._warm and self.age(key) >= self.max_age > 0:
+                times = None  # stale (as the next refresh would find it): the new measurement starts over
+            if times is None:
+                self._in_run.discard(key)
+            elif switched and key in self._in_run:  # a cold step of a kind timed in runs: not what a run costs
+                self._clock[bucket] = self._clock.get(bucket, 0) + 1
+                return
+            if not switched and key not in self._in_run:  # its first step in a run replaces its cold ones
+                times = None
+                self._in_run.add(key)
         if times is None:
             times = store[key] = collections.deque(maxlen=self.window)
         times.append(seconds)
@@ -100,6 +120,7 @@ class CostModel:
         """Replace a kind's measurements by one real value."""
         bucket = (key[0], key[3])
         self._real[key] = collections.deque([seconds], maxlen=self.window)
+        self._in_run.add(key)
         self._dirty.setdefault(bucket, set()).add((key, False))
         self._kinds.setdefault(bucket, set()).add(key)
         self._stamp[key] = self._clock.get(bucket, 0)
@@ -138,6 +159,7 @@ class CostModel:
                 if kk in self._real and kk in self._warm and clock - self._stamp[kk] >= self.max_age:
                     # Stale: its scaled warmup time stands in until it is chosen again (with its last relation).
                     del self._real[kk]
+                    self._in_run.discard(kk)
         real = {kk: med[kk, False] for kk in kinds if kk in self._real}
         ratios = {kk: real[kk] / med[kk, True] for kk in real if kk in self._warm}
         scale = _median(ratios.values()) if ratios else 1.0
