@@ -142,3 +142,21 @@ def test_zero_exponential_noise_never_picks_a_masked_token(monkeypatch):
     keys = request_keys(jax.random.key(0), jnp.arange(4, dtype=jnp.uint32), jnp.zeros(4, jnp.int32))
     tokens = np.asarray(sample_tokens(logits, jnp.ones(4), None, None, keys))
     assert set(tokens.tolist()) <= {0, 2}
+
+
+def test_draft_draws_skip_the_sampler_only_when_no_row_samples():
+    from specjax.spec_decode.drafting import draw_draft
+
+    logits = jax.random.normal(jax.random.key(1), (3, 50)) * 3.0
+    keys = request_keys(jax.random.key(0), jnp.arange(3, dtype=jnp.uint32), jnp.zeros(3, jnp.int32))
+    top_k, top_p = jnp.zeros(3, jnp.int32), jnp.ones(3)
+    draw = jax.jit(lambda t: draw_draft(logits, t, top_k, top_p, keys, probabilistic=True))
+    ids, q = draw(jnp.zeros(3))  # all greedy: argmax drafts, no distribution (the verifier ignores it)
+    np.testing.assert_array_equal(np.asarray(ids), np.argmax(np.asarray(logits), axis=-1))
+    assert not np.asarray(q).any()
+    temperature = jnp.asarray([0.0, 0.7, 1.0])
+    ids, q = draw(temperature)  # one greedy row beside two sampling rows: q is each sampling row's softmax
+    assert int(ids[0]) == int(np.argmax(np.asarray(logits[0])))
+    expected = jax.nn.softmax(np.asarray(logits[1:]) / np.asarray(temperature[1:, None]), axis=-1)
+    np.testing.assert_allclose(np.asarray(q[1:]), np.asarray(expected), rtol=1e-5, atol=1e-7)
+    assert all(0 <= int(i) < 50 for i in np.asarray(ids))
