@@ -287,8 +287,7 @@ class Engine:
         # order, and whether requests waited (a plan made while the batch drained must not outlive it) ...
         self._held_plan: tuple[int, list[int]] = (0, [])  # ... with this K and these caps
         self._planned = True  # the last decoding step's plan was made in full (not a held one)
-        self._last_kind: tuple | None = None  # (bucket, detached) of the last step: a step of another kind runs
-        # cold (see CostModel)
+        self._last_kind: tuple | None = None  # (bucket, detached) of the last step (cold steps: CostModel)
 
     # ------------------------------------------------------------------ buckets
 
@@ -371,8 +370,7 @@ class Engine:
             return self._held_step(rows, slots)
         self._held = 0
         if self.controller is not None and self.proposer.syncs and not self.scheduler.slots.synced[slots].any():
-            # Every row's proposer state is stale (they missed detached steps): plain steps from here on,
-            # with no host work for a choice that has none.
+            # Every row's proposer state is stale (they missed detached steps): plain steps, with no planning.
             self.controller.count_step(0, detached=True)
             return 0, np.zeros(n, np.int32), None, True
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
@@ -392,10 +390,10 @@ class Engine:
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
         self._held, self._held_key = plan.hold, key
-        k_held, caps_held = plan.held or (plan.k, plan.caps)
-        self._held_plan = k_held, caps_held.tolist()
-        caps = [min(a, b) for a, b in zip(limits, plan.caps.tolist())]
-        return plan.k, np.array(caps, np.int32), host_drafts, plan.detached and self.proposer.syncs
+        held_k, held_caps = plan.held or (plan.k, plan.caps)
+        self._held_plan = held_k, held_caps.tolist()
+        caps = np.array([min(a, b) for a, b in zip(limits, plan.caps.tolist())], np.int32)
+        return plan.k, caps, host_drafts, plan.detached and self.proposer.syncs
 
     def _held_step(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
         """A step of the same rows under the controller's last plan (:attr:`Decision.hold`), without planning:
@@ -406,8 +404,7 @@ class Engine:
         if k == 0:
             self.controller.held_step(0)
             return 0, np.zeros(len(rows), np.int32), None, False
-        limits, _ = self._row_limits(rows, slots, k)
-        limits = [min(a, b) for a, b in zip(limits, caps)]
+        limits = [min(a, b) for a, b in zip(self._row_limits(rows, slots, k)[0], caps)]
         host_drafts = None
         if self.proposer.host_side:
             host_drafts, limits = self._lookup([r.request.request_id for r in rows], slots, limits)
@@ -418,9 +415,8 @@ class Engine:
     def _row_limits(self, rows, slots: np.ndarray, k: int) -> tuple[list[int], list[bool]]:
         """([R]: the most drafts each row can verify, [R]: its proposer state is current). Drafts only where
         they can commit: never past max_tokens or max_model_len."""
-        # Python lists, here and through the plan: this runs every decoding step, right after a step has streamed
-        # the weights through the caches, where each numpy call on these few-element arrays cost ~10 us (seven of
-        # them: 67 us), and the first ufunc ~45 us (np.minimum of two 1-element arrays, batch 1: then 1.3 us).
+        # Python lists, here and through the plan: right after a step, numpy calls on few-element arrays cost ~10
+        # us each, the first ufunc ~45 us (np.minimum of two 1-element arrays, batch 1; right after it 1.3 us).
         table, max_len = self.scheduler.slots, self.config.max_model_len
         synced, ready = table.synced, table.ready_drafts if self.proposer.drafts_ahead else None
         limits, can_draft = [], []
@@ -451,9 +447,7 @@ class Engine:
         looked up first, one by one, and the others only if each of those found drafts: else no draft can
         shorten the drain and the step is plain (the controller's rule), so more lookups would be host time for
         nothing."""
-        # Python lists: this runs every step a host proposer may draft, right after a step, where each numpy call
-        # on these few-element arrays costs ~5-10 us (with numpy, ngram at batch 8 spent ~60 us a step here outside
-        # the lookups themselves).
+        # Python lists (see _row_limits; with numpy, ngram at batch 8 spent ~60 us a step here outside the lookups).
         n, lim = len(ids), limits
         drafts, found = [EMPTY_DRAFTS] * n, [0] * n
         groups = [[i for i in range(n) if lim[i]]]
@@ -495,8 +489,8 @@ class Engine:
         decoding = [r.num_new == 1 and bool(r.request.output_token_ids) for r in rows]
         if any(d and table.synced[r.request.slot] for d, r in zip(decoding, rows)):
             return False
-        # The plan holds the requests being prefilled, not the (detached) rows decoding beside them: it stands for
-        # requests like these, and the controller counts them towards its next exploring prefill.
+        # The plan holds the requests being prefilled, not the (detached) rows decoding beside them: they stand for
+        # requests like them, and count towards the controller's next exploring prefill.
         rows = [r for d, r in zip(decoding, rows) if not d]
         sched = self.scheduler
         expected = min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
