@@ -132,8 +132,8 @@ class CostModel:
         bucket = (key[0], key[3])
         self._real[key] = collections.deque([seconds], maxlen=self.window)
         self._in_run.add(key)
-        self._dirty.setdefault(bucket, set()).add((key, False))
-        self._kinds.setdefault(bucket, set()).add(key)
+        _entry(self._dirty, bucket, set).add((key, False))
+        _entry(self._kinds, bucket, set).add(key)
         self._stamp[key] = self._clock.get(bucket, 0)
 
     @property
