@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import math
 
 
@@ -97,6 +96,10 @@ class CostModel:
         # (median), as last read while it was chosen with RELATION_MIN_STEPS or more measurements
         self._in_run: set[tuple] = set()  # kinds whose current real measurements come from runs of them
 
+    def _window(self, values=()) -> collections.deque:
+        """A kind's (or a bucket's planning) measurements: the last ``window`` of them."""
+        return collections.deque(values, maxlen=self.window)
+
     def observe(self, key: tuple, seconds: float, *, warmup: bool = False, switched: bool = False) -> None:
         """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup; ``switched``: the
         step before it was of another kind (or a prefill), so it ran cold (see the class docstring).
@@ -120,7 +123,7 @@ class CostModel:
                 times = None
                 self._in_run.add(key)
         if times is None:
-            times = store[key] = collections.deque(maxlen=self.window)
+            times = store[key] = self._window()
         times.append(seconds)
         _entry(self._dirty, bucket, set).add((key, warmup))
         _entry(self._kinds, bucket, set).add(key)
@@ -130,7 +133,7 @@ class CostModel:
     def set(self, key: tuple, seconds: float) -> None:
         """Replace a kind's measurements by one real value."""
         bucket = (key[0], key[3])
-        self._real[key] = collections.deque([seconds], maxlen=self.window)
+        self._real[key] = self._window([seconds])
         self._in_run.add(key)
         _entry(self._dirty, bucket, set).add((key, False))
         _entry(self._kinds, bucket, set).add(key)
@@ -226,10 +229,9 @@ class CostModel:
         sampled): a ``full`` plan, or a held one's few lookups."""
         if self.frozen:
             return
-        window = functools.partial(collections.deque, maxlen=self.window)
-        _entry(self._planning, bucket, window).append(seconds)
+        _entry(self._planning, bucket, self._window).append(seconds)
         if full:
-            _entry(self._full_plans, bucket, window).append(seconds)
+            _entry(self._full_plans, bucket, self._window).append(seconds)
 
     def full_plan(self, rows: int, sampled: bool = False) -> float:
         """Mean host time of a full plan (not a held one's) before an attached step of the bucket (0 before any

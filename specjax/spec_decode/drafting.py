@@ -49,5 +49,5 @@ def draw_draft(
         drawn = sample_with_exponentials(shaped, row_exponentials(keys, logits.shape[-1:]), logits=True)
         return jnp.where(temperature > 0, drawn, greedy), q
 
-    q_shape = jax.eval_shape(sampled)[1]
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: (greedy, jnp.zeros(q_shape.shape, q_shape.dtype)))
+    # (shape_logits returns float32, so q is float32 [B, V] either way.)
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: (greedy, jnp.zeros(logits.shape, jnp.float32)))
