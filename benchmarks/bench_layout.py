@@ -10,8 +10,12 @@ panel kernel reads bfloat16 weights and accumulates in float32), and counts how 
 last rows time the shipped models (bfloat16 checkpoints) in the CPU layout with their panels in bfloat16 (what
 the layout does for weights that are all bfloat16 values: same products, half the bytes) against the same
 panels in float32 (``models.cpu_layout.NARROW_EXACT_BFLOAT16`` off): plain, draft_model K = 4 and EAGLE-3 K = 4.
+``--only-blocks`` times SmolLM2 in the CPU layout with its GGUF file's Q4_1 / Q8_0 blocks as quantized panels (what
+the engine runs) against float32 panels of the same dequantized weights (``models.cpu_layout.KEEP_GGUF_BLOCKS``
+off): plain and with its EAGLE-3 head at K = 4; the tokens must be the same.
 
     python benchmarks/bench_layout.py --out benchmarks/results/layout.json
+    python benchmarks/bench_layout.py --only-blocks --out benchmarks/results/layout_blocks.json
 """
 
 from __future__ import annotations
@@ -53,19 +57,21 @@ LAYOUTS = {"cpu": ("cpu", "float32"), "checkpoint": ("checkpoint", "float32")}
 the second."""
 DTYPES = {"bfloat16": ("cpu", "bfloat16"), "float32": ("cpu", "float32")}
 PANELS = {"bf16 panels": ("cpu", "float32", True), "f32 panels": ("cpu", "float32", False)}
+BLOCKS = {"GGUF blocks": ("cpu", "float32", True, True), "f32 panels": ("cpu", "float32", True, False)}
+"""(..., narrow exact-bfloat16 panels, keep GGUF blocks)"""
 
 
 def run(name: str, spec: dict | None, new_tokens: int, reps: int, variants: dict = LAYOUTS) -> dict:
     kw = dict(max_model_len=64 + new_tokens + 8, max_num_seqs=1, seed=0, query_buckets=(1, 64), max_prefill_chunk=64)
     path = model_path(name)
     llms = {}
-    for key, (layout, dtype, *narrow) in variants.items():
+    for key, (layout, dtype, *flags) in variants.items():
         os.environ["SPECJAX_WEIGHT_LAYOUT"] = layout
-        cpu_layout.NARROW_EXACT_BFLOAT16 = narrow[0] if narrow else True
+        cpu_layout.NARROW_EXACT_BFLOAT16, cpu_layout.KEEP_GGUF_BLOCKS = (*flags, True, True)[:2]
         llms[key] = specjax.LLM(path, speculative_config=spec, dtype=dtype, **kw)
         assert llms[key].runner.cpu_weight_layout == (layout == "cpu")
     os.environ.pop("SPECJAX_WEIGHT_LAYOUT")
-    cpu_layout.NARROW_EXACT_BFLOAT16 = True
+    cpu_layout.NARROW_EXACT_BFLOAT16 = cpu_layout.KEEP_GGUF_BLOCKS = True
     first, second = variants
     tok = llms[first].tokenizer
     prompts = token_prompts(tok, 2, 64) if tok is not None else [[5 + (i * 7 + j) % 500 for j in range(64)]
@@ -85,8 +91,8 @@ def run(name: str, spec: dict | None, new_tokens: int, reps: int, variants: dict
     weights = llms[second].runner.params[0]
     pairs = [(a, b) for x, y in zip(ids[first], ids[second]) for a, b in zip(x, y)]
     row = {"model": name, "speculation": spec, "weight_mib": sum(x.nbytes for x in jax.tree.leaves(weights)) / 2**20,
-           "variants": {k: {"layout": v[0], "dtype": v[1], "narrow_exact_bfloat16": v[2] if len(v) > 2 else True}
-                        for k, v in variants.items()},
+           "variants": {k: {"layout": v[0], "dtype": v[1], "narrow_exact_bfloat16": v[2] if len(v) > 2 else True,
+                            "keep_gguf_blocks": v[3] if len(v) > 3 else True} for k, v in variants.items()},
            "tok_s": {k: len(prompts) * new_tokens / v for k, v in med.items()},
            "time_ratio": med[first] / med[second], "same_tokens": ids[first] == ids[second],
            "token_agreement": sum(a == b for a, b in pairs) / len(pairs), "times": times}
@@ -100,6 +106,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--only-panels", action="store_true", help="only the bfloat16 / float32 panel rows")
+    ap.add_argument("--only-blocks", action="store_true", help="only SmolLM2's GGUF-block / float32 panel rows")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     draft = {"method": "draft_model", "model": "builtin:draft", "num_speculative_tokens": 4, "adaptive": False}
@@ -107,8 +114,15 @@ def main() -> None:
     systems = [("builtin:target", None, LAYOUTS), ("builtin:target", draft, LAYOUTS), ("random30m", None, LAYOUTS),
                ("smollm2", None, LAYOUTS), ("smollm2", None, DTYPES), ("builtin:target", None, PANELS),
                ("builtin:target", draft, PANELS), ("builtin:target", eagle3, PANELS)]
+    smol_eagle3 = {"method": "eagle3", "model": "builtin:smollm2_eagle3", "num_speculative_tokens": 4,
+                   "adaptive": False}
+    blocks = [("smollm2", None, BLOCKS), ("smollm2", smol_eagle3, BLOCKS)]
     if args.only_panels:
         systems = systems[-3:]
+    elif args.only_blocks:
+        systems = blocks
+    else:
+        systems += blocks
     rows = [run(name, spec, args.new_tokens, args.reps, variants) for name, spec, variants in systems]
     out = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "command": " ".join(["python"] + sys.argv),
            "rows": rows}

@@ -16,7 +16,10 @@ Two variants of the same weights, side by side in one process:
 * ``after``: ``models.llama.to_cpu_layout`` params (fused weights packed into
   32-column panels) run by the C++ panel kernel (``models/cpu_kernels/panel_matmul.cc``),
   with attention by the C++ paged-attention kernel (``models/cpu_kernels/paged_attention.cc``)
-  that a model in that layout calls: what the engine runs on one CPU device.
+  that a model in that layout calls: what the engine runs on one CPU device;
+* ``blocks`` (smollm2 only): the CPU layout with the GGUF file's Q4_1 / Q8_0 blocks kept as quantized panels
+  (``to_cpu_layout(..., quantized=models.loading.load_blocks(path))``), what the engine runs for a GGUF model
+  since the sixteenth session; same logits as ``after``, bit for bit.
 
 Models: ``target`` (the shipped builtin:target, 7.5M params), ``random30m``
 (random Llama, 30M params, untied head), ``smollm2`` (SmolLM2-135M-Instruct,
@@ -65,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.cpu_kernels import panel_matmul  # noqa: E402
 import models.llama as llama  # noqa: E402
 from models.llama import LlamaConfig, forward, init_params, num_params, to_cpu_layout  # noqa: E402
-from models.loading import load_model  # noqa: E402
+from models.loading import load_blocks, load_model  # noqa: E402
 from specjax.attention import paged_attention  # noqa: E402
 from specjax.builtin import resolve_model  # noqa: E402
 from specjax.kv_cache import AttentionMetadata, KVCache, write_kv  # noqa: E402
@@ -175,9 +178,17 @@ def make_step(config: LlamaConfig, t: int):
     return step
 
 
+def layouts_of(name: str, config: LlamaConfig, params) -> dict:
+    """``before`` / ``after`` (module docstring) and, for smollm2, ``blocks``."""
+    layouts = {"before": params, "after": to_cpu_layout(params, config)}
+    if name == "smollm2":  # what the engine runs: the file's Q4_1 / Q8_0 blocks as quantized panels
+        layouts["blocks"] = to_cpu_layout(params, config, quantized=load_blocks(smollm2_gguf()))
+    return layouts
+
+
 def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps: int, inner: int) -> dict:
     config, params, source = load(name)
-    layouts = {"before": params, "after": to_cpu_layout(params, config)}
+    layouts = layouts_of(name, config, params)
     result = {"source": source, "num_params": num_params(params), "weight_mb": round(param_bytes(params) / 2**20, 1),
               "config": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                                             "num_hidden_layers", "num_attention_heads",
@@ -190,8 +201,7 @@ def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps
                                         block_size=BLOCK_SIZE, num_kv_heads=config.num_key_value_heads,
                                         head_dim=config.head_dim, dtype=jnp.float32)}
         timer = Timer(inner)
-        for variant in VARIANTS:
-            p = layouts[variant]
+        for variant, p in layouts.items():
             for t in [1] + [k + 1 for k in ks]:
                 inputs = step_inputs(batch, t, context, table_width)
                 exe = compile_exe(make_step(config, t), (p, cache["kv"], *inputs))
@@ -204,7 +214,7 @@ def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps
         print(f"[{name} B={batch}] compiled {len(timer.calls)} executables; timing", flush=True)
         timer.run(reps)
         rows = {}
-        for variant in VARIANTS:
+        for variant in layouts:
             one = timer.ms(f"{variant}/T1")
             per_k = {}
             for k in ks:
@@ -218,8 +228,14 @@ def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps
             **{f"K{k}_wall": round(rows["after"]["K"][str(k)]["wall_ms"] / rows["before"]["K"][str(k)]["wall_ms"], 3)
                for k in ks},
         }
+        if "blocks" in rows:
+            rows["blocks_vs_after"] = {
+                "T1_wall": round(rows["blocks"]["T1"]["wall_ms"] / rows["after"]["T1"]["wall_ms"], 3),
+                **{f"K{k}_wall": round(rows["blocks"]["K"][str(k)]["wall_ms"] / rows["after"]["K"][str(k)]["wall_ms"], 3)
+                   for k in ks},
+            }
         result["batches"][str(batch)] = rows
-        for variant in VARIANTS:
+        for variant in layouts:
             r = rows[variant]
             print(f"  {variant:6s} T1 {r['T1']['wall_ms']:8.2f} ms | " + " ".join(
                 f"K{k}: {r['K'][str(k)]['ratio_wall']:.2f}x (cpu {r['K'][str(k)]['ratio_cpu']:.2f}x)" for k in ks),
@@ -234,7 +250,7 @@ def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps
 def bench_breakdown(name: str, batch: int, ts: list[int], context: int, reps: int, inner: int) -> dict:
     """Per-component time of one forward (all layers): projections, MLP, attention, LM head."""
     config, params, _ = load(name)
-    layouts = {"before": params, "after": to_cpu_layout(params, config)}
+    layouts = layouts_of(name, config, params)
     c = config
     h, g, e, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
     layers = [f"layers_{i}" for i in range(c.num_hidden_layers)]
@@ -282,16 +298,15 @@ def bench_breakdown(name: str, batch: int, ts: list[int], context: int, reps: in
     rng = np.random.default_rng(0)
     for t in ts:
         x = jnp.asarray(rng.standard_normal((batch, t, d)), jnp.float32)
-        for variant in VARIANTS:
-            p = layouts[variant]
+        for variant, p in layouts.items():
             for part, fn in (("projections", projections), ("mlp", mlp), ("lm_head", head)):
                 exe = compile_exe(fn, (p, x), donate=())
                 timer.add(f"{variant}/{part}/T{t}", functools.partial(exe, p, x))
         q = jnp.asarray(rng.standard_normal((batch, t, h, e)), jnp.float32)
         kv = jnp.asarray(rng.standard_normal((batch, t, g, e)), jnp.float32)
         tokens, positions, slots, tables = step_inputs(batch, t, context, table_width)
-        for variant in VARIANTS:  # after: the C++ attention kernel a model in the CPU layout runs
-            fn = functools.partial(attention, cpu_layout=variant == "after")
+        for variant in layouts:  # after, blocks: the C++ attention kernel a model in the CPU layout runs
+            fn = functools.partial(attention, cpu_layout=variant != "before")
             exe = compile_exe(fn, (cache["kv"], q, kv, kv, positions, slots, tables), donate=(0,))
 
             def call(exe=exe, args=(q, kv, kv, positions, slots, tables)):
@@ -304,7 +319,7 @@ def bench_breakdown(name: str, batch: int, ts: list[int], context: int, reps: in
     result = {"batch": batch, "context": context}
     for t in ts:
         row = {}
-        for variant in VARIANTS:
+        for variant in layouts:
             for part in ("projections", "mlp", "attention", "lm_head"):
                 row[f"{part} ({variant})"] = timer.ms(f"{variant}/{part}/T{t}")
         result[f"T{t}"] = row

@@ -21,11 +21,18 @@ Panels keep a float32 weight in bfloat16 when every value of it is one (a bfloat
 as every shipped model is): the kernel widens each weight back to the same float32 and runs the same
 multiply-adds, so logits are bit-identical while a step streams half the bytes (the shipped 7.5M target's
 weights, 29 MiB in float32, then fit the last-level cache). Activations stay in the params' dtype.
+
+A model read from a GGUF file keeps its Q4_1 / Q8_0 matrices as the file stores them (``quantized`` of
+:func:`to_cpu_layout`, from ``models.loading.load_blocks``): panels of GGUF blocks, which the kernel dequantizes
+to the float32 values the params hold (checked at packing), so logits are again bit-identical while a step streams
+5 or 8.5 bits per weight instead of 32 (SmolLM2-135M: 513 MiB of float32 weights, 92 MiB of blocks).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import jax
 import numpy as np
@@ -34,6 +41,8 @@ from models.cpu_kernels import panel_matmul as _pm
 
 if TYPE_CHECKING:
     from models.llama import LlamaConfig
+
+logger = logging.getLogger(__name__)
 
 
 def matmul_p(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None) -> jax.Array:
@@ -68,8 +77,58 @@ def narrowed(w: np.ndarray) -> np.ndarray:
     return (bits >> 16).astype(np.uint16).view(jax.numpy.bfloat16)
 
 
-def panels(*mats: Any) -> jax.Array:
-    """Output-major ``[N_i, K]`` matrices stacked -> panels ``[P, K, C]`` (:func:`narrowed` storage)."""
+KEEP_GGUF_BLOCKS = True
+"""Whether :func:`panels` keeps GGUF blocks (:class:`QuantizedMatrix`) as quantized panels. Not an option (the
+logits are the same either way); ``benchmarks/bench_layout.py`` turns it off to time float32 panels beside."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizedMatrix:
+    """An output-major ``[N, K]`` weight as a GGUF file stores it: blocks of 32 along K, dequantized (in float32,
+    each operation rounded, as the gguf package does) to ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0)."""
+
+    kind: str
+    """``"q4_1"`` or ``"q8_0"``."""
+    q: np.ndarray
+    """``[N, K]``: uint8 in 0..15 (q4_1) or int8 (q8_0)."""
+    d: np.ndarray
+    """``[N, K / 32]`` float16 block scales."""
+    m: Optional[np.ndarray] = None
+    """``[N, K / 32]`` float16 block minimums (q4_1 only)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("q4_1", "q8_0"):
+            raise ValueError(f"kind must be 'q4_1' or 'q8_0', got {self.kind!r}")
+        if (self.m is None) != (self.kind == "q8_0"):
+            raise ValueError(f"m must be given for q4_1 and only for it (kind={self.kind!r})")
+
+    def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> QuantizedMatrix:
+        """The same blocks with ``fn`` (a reordering of the N rows) applied to q, d and m."""
+        return dataclasses.replace(self, q=fn(self.q), d=fn(self.d), m=None if self.m is None else fn(self.m))
+
+
+def quantized_panels(parts: list[QuantizedMatrix], mats: list[Any]) -> Optional[np.ndarray]:
+    """Quantized panels of ``parts`` stacked, if they are one kind and dequantize exactly to ``mats`` (the float
+    params, output-major); else None (the caller packs the floats)."""
+    if len({p.kind for p in parts}) != 1:
+        return None
+    cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
+    q, d = cat([p.q for p in parts]), cat([p.d for p in parts])
+    packed = _pm.pack_q4_1(q, d, cat([p.m for p in parts])) if parts[0].kind == "q4_1" else _pm.pack_q8_0(q, d)
+    want = cat([np.asarray(m) for m in mats])
+    if want.dtype != np.float32 or not np.array_equal(_pm.dequantize(packed, want.shape[0]), want):
+        logger.info("GGUF blocks do not give the params' values (%s); packing the float weights", want.dtype)
+        return None
+    return packed
+
+
+def panels(*mats: Any, quantized: Optional[list[Optional[QuantizedMatrix]]] = None) -> jax.Array:
+    """Output-major ``[N_i, K]`` matrices stacked -> panels ``[P, K, C]`` (:func:`narrowed` storage), or quantized
+    panels where every matrix has its GGUF blocks in ``quantized`` and they give its exact values."""
+    if quantized is not None and KEEP_GGUF_BLOCKS and all(b is not None for b in quantized):
+        packed = quantized_panels(list(quantized), list(mats))
+        if packed is not None:
+            return jax.numpy.asarray(packed)
     return jax.numpy.asarray(_pm.pack(narrowed(np.concatenate([np.asarray(m) for m in mats], axis=0))))
 
 
@@ -78,29 +137,49 @@ def output_major(a: Any, rows: int) -> np.ndarray:
     return np.asarray(a).reshape(rows, -1).T
 
 
-def layer_to_cpu_layout(sub: Mapping[str, Any]) -> dict:
+def _blocks(quantized: Optional[Mapping[str, QuantizedMatrix]], key: str) -> Optional[QuantizedMatrix]:
+    if quantized is None:
+        return None
+    try:
+        return quantized[key]
+    except KeyError:
+        return None
+
+
+def layer_to_cpu_layout(sub: Mapping[str, Any], *, quantized: Optional[Mapping[str, QuantizedMatrix]] = None,
+                        prefix: str = "") -> dict:
     """One decoder layer's params (``models.llama.DecoderLayer`` names, also a draft head's layer) -> the
-    derived layout: q/k/v fused (+ their biases), o_proj, gate/up fused, down_proj as panels; the rest kept."""
+    derived layout: q/k/v fused (+ their biases), o_proj, gate/up fused, down_proj as panels; the rest kept.
+    ``quantized``: GGUF blocks by ``prefix + "self_attn/q_proj"`` etc. (:func:`to_cpu_layout`)."""
     attn, mlp = sub["self_attn"], sub["mlp"]
 
     def mat(entry, in_dims: int = 1) -> np.ndarray:  # a kernel [in..., out...] -> [out, in]
         return output_major(entry["kernel"], int(np.prod(np.shape(entry["kernel"])[:in_dims])))
 
-    qkv = {"kernel_p": panels(*(mat(attn[p]) for p in ("q_proj", "k_proj", "v_proj")))}
+    def packed(group: str, names: tuple[str, ...], in_dims: int = 1) -> jax.Array:
+        mats = [mat(sub[group][n], in_dims) for n in names]
+        return panels(*mats, quantized=[_blocks(quantized, f"{prefix}{group}/{n}") for n in names])
+
+    qkv = {"kernel_p": packed("self_attn", ("q_proj", "k_proj", "v_proj"))}
     if "bias" in attn["q_proj"]:
         qkv["bias"] = jax.numpy.asarray(np.concatenate(
             [np.asarray(attn[p]["bias"]).reshape(-1) for p in ("q_proj", "k_proj", "v_proj")]))
-    new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_p": panels(mat(attn["o_proj"], 2))}}  # o: [H, E, D]
+    new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_p": packed("self_attn", ("o_proj",), 2)}}  # o: [H, E, D]
     if "bias" in attn["o_proj"]:
         new_attn["o_proj"]["bias"] = attn["o_proj"]["bias"]
     new_attn.update({k: v for k, v in attn.items() if k not in ("q_proj", "k_proj", "v_proj", "o_proj")})
-    new_mlp = {"gate_up_proj": {"kernel_p": panels(mat(mlp["gate_proj"]), mat(mlp["up_proj"]))},
-               "down_proj": {"kernel_p": panels(mat(mlp["down_proj"]))}}
+    new_mlp = {"gate_up_proj": {"kernel_p": packed("mlp", ("gate_proj", "up_proj"))},
+               "down_proj": {"kernel_p": packed("mlp", ("down_proj",))}}
     return {**{k: v for k, v in sub.items() if k not in ("self_attn", "mlp")}, "self_attn": new_attn, "mlp": new_mlp}
 
 
-def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig) -> dict:
+def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig, *,
+                  quantized: Optional[Mapping[str, QuantizedMatrix]] = None) -> dict:
     """The derived CPU layout (module docstring) of a checkpoint-layout param tree.
+
+    ``quantized``: the matrices' GGUF blocks by checkpoint path (``"layers_0/self_attn/q_proj"``, ...,
+    ``"embed_tokens"``, ``"lm_head"``; ``models.gguf.gguf_blocks``): a projection whose blocks all dequantize
+    exactly to its params is packed as quantized panels (module docstring), others as float panels.
 
     Norms, biases and an untied embedding are kept; panels are :func:`narrowed`. :func:`models.llama.forward`,
     ``lm_head_logits`` and ``DecoderLayer`` run either layout and give the same logits up to float rounding.
@@ -110,12 +189,15 @@ def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig) -> dict:
     d = config.hidden_size
     if is_cpu_layout(params):
         raise ValueError("params are already in the CPU layout")
-    out: dict[str, Any] = {name: layer_to_cpu_layout(sub) if name.startswith("layers_") else sub
-                           for name, sub in params.items()}
+    out: dict[str, Any] = {
+        name: layer_to_cpu_layout(sub, quantized=quantized, prefix=f"{name}/") if name.startswith("layers_") else sub
+        for name, sub in params.items()}
     if "lm_head" in params:
-        out["lm_head"] = {"kernel_p": panels(output_major(params["lm_head"]["kernel"], d))}
+        out["lm_head"] = {"kernel_p": panels(output_major(params["lm_head"]["kernel"], d),
+                                             quantized=[_blocks(quantized, "lm_head")])}
     elif config.tie_word_embeddings:  # one copy: the panels serve the lookups and the head
-        out["embed_tokens"] = {"embedding_p": panels(params["embed_tokens"]["embedding"])}
+        out["embed_tokens"] = {"embedding_p": panels(params["embed_tokens"]["embedding"],
+                                                     quantized=[_blocks(quantized, "embed_tokens")])}
     return out
 
 

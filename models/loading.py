@@ -179,6 +179,16 @@ def load_model(path: PathLike, dtype: Any = "float32") -> tuple[LlamaConfig, dic
     return config, params
 
 
+def load_blocks(path: PathLike):
+    """The quantized blocks of a GGUF model file (``models.gguf.gguf_blocks``: lazy, for the CPU layout's
+    quantized panels), or None for an HF directory."""
+    if _is_gguf(path):
+        from models.gguf import gguf_blocks
+
+        return gguf_blocks(path)
+    return None
+
+
 def load_hf_model(path: PathLike, dtype: Any = "float32") -> tuple[LlamaConfig, dict]:
     """Same as :func:`load_model` (kept for existing callers; a GGUF file path works here too)."""
     return load_model(path, dtype)

@@ -12,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from models.llama import LlamaConfig
-from models.loading import load_model, load_tokenizer, read_generation_eos
+from models.loading import load_blocks, load_model, load_tokenizer, read_generation_eos
 from specjax.buckets import enable_persistent_cache
 from specjax.builtin import DEFAULT_SPEC, DEFAULT_TARGET, resolve_model
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
@@ -141,6 +141,7 @@ class LLM:
         self.runner = StepRunner(
             self.model_config, params, proposer, self.engine_config, spec=spec, kv_dtype=_DTYPES[dtype],
             plan=ShardingPlan(mesh=self.mesh, tp=tensor_parallel_size), profile=profile,
+            quantized=load_blocks(self.model_path),
         )
         self.engine = Engine(self.runner, self.engine_config, spec=spec)
         self._request_counter = itertools.count()

@@ -139,6 +139,63 @@ def test_entry_refuses_bad_shapes_and_dtypes():
         pm.pack(np.ones((2, 3, 4)))
 
 
+# --------------------------------------------------------------------------- GGUF blocks (Q4_1, Q8_0)
+
+
+@functools.cache
+def _quantized_case(kind: str, n: int, k: int):
+    """A random [n, k] weight quantized by the gguf package: (its packed panels, the float32 weight the gguf
+    package dequantizes the blocks to)."""
+    import gguf
+
+    from models.gguf import blocks_from_raw
+
+    qtype = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+    w = (np.random.default_rng(n + k).standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    b = blocks_from_raw(raw, qtype, (n, k))
+    packed = pm.pack_q4_1(b.q, b.d, b.m) if kind == "q4_1" else pm.pack_q8_0(b.q, b.d)
+    return packed, gguf.quants.dequantize(raw, qtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", SMOLLM2 + [(70, 64)])  # + a padded last panel
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 40])
+def test_quantized_panels_give_the_float_weights_products_exactly(kind, n, k, m):
+    """Panels of GGUF blocks dequantize to what the gguf package gives (its own dequantizer), and the kernel's
+    products on them are bit for bit those of float32 panels of those weights, close to the float64 reference."""
+    packed, w = _quantized_case(kind, n, k)
+    assert packed.dtype == (np.uint8 if kind == "q4_1" else np.int8)
+    assert packed.shape == (-(-n // pm.panel_width()), k // 32, pm.RECORD_BYTES[packed.dtype] * pm.panel_width())
+    np.testing.assert_array_equal(pm.dequantize(packed, n), w)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
+    y = np.asarray(jax.jit(pm.panel_matmul, static_argnums=2)(x, jnp.asarray(packed), n))
+    np.testing.assert_array_equal(y, np.asarray(pm.panel_matmul(x, jnp.asarray(pm.pack(w)), n)))
+    _check(y, x, pm.pack(w), n, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_rows_of_quantized_panels_are_the_dequantized_rows(kind):
+    packed, w = _quantized_case(kind, 4096, 320)
+    idx = jnp.asarray([[0, 1, 4095, 2051], [-5, 7, 9000, 31]], jnp.int32)
+    got = np.asarray(jax.jit(pm.rows)(jnp.asarray(packed), idx))
+    np.testing.assert_array_equal(got, w[np.clip(np.asarray(idx), 0, 4095)])
+
+
+def test_quantized_packing_refuses_what_the_kernel_cannot_read_exactly():
+    q = np.zeros((4, 64), np.uint8)
+    half = np.ones((4, 2), np.float16)
+    with pytest.raises(ValueError, match="d must hold float16"):
+        pm.pack_q4_1(q, np.full((4, 2), 0.1, np.float32), half)
+    with pytest.raises(ValueError, match="m must hold float16"):
+        pm.pack_q4_1(q, half, np.full((4, 2), 1e-9, np.float32))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        pm.pack_q8_0(np.zeros((4, 48), np.int8), np.ones((4, 1), np.float16))
+    packed = jnp.asarray(pm.pack_q8_0(np.zeros((4, 64), np.int8), half))
+    with pytest.raises(ValueError, match="last dim 32"):
+        pm.panel_matmul(jnp.ones((1, 32)), packed, 4)
+
+
 # --------------------------------------------------------------------------- paged attention
 
 # (head_dim E, kv heads G, GQA ratio R, block size): SmolLM2-135M's attention; GQA 8:1 at E 128; odd sizes.

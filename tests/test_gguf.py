@@ -39,8 +39,10 @@ transformers = pytest.importorskip("transformers")
 from tiny_models import SMOLLM2_MISSING, load_hf_torch_model, make_tiny_checkpoint, smollm2_gguf  # noqa: E402
 
 from models.gguf import is_gguf_file, open_gguf  # noqa: E402
-from models.llama import LlamaConfig, forward  # noqa: E402
+from models.cpu_kernels.panel_matmul import available as cpu_kernels_available  # noqa: E402
+from models.llama import LlamaConfig, forward, to_cpu_layout  # noqa: E402
 from models.loading import (  # noqa: E402
+    load_blocks,
     load_hf_model,
     load_model,
     load_tokenizer,
@@ -279,6 +281,29 @@ def test_quantized_logits_match_transformers(qtype, tiny_dirs, tmp_path):
     # And quantization really happened: the logits moved away from the float model's.
     exact = torch_logits(load_hf_torch_model(tiny_dirs["llama_gqa"]), PROMPT)
     assert np.abs(ours - exact).max() > 1e-3
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels_available(), reason="the C++ CPU kernels")
+@pytest.mark.parametrize("name,qtype,kernel_dtype", [("llama_gqa", Q.Q4_1, np.uint8), ("llama_tied_mqa", Q.Q8_0, np.int8),
+                                                     ("llama_gqa", Q.Q5_0, np.float32)])
+def test_cpu_layout_keeps_q4_1_and_q8_0_blocks_with_the_float_models_logits(name, qtype, kernel_dtype, tiny_dirs,
+                                                                             tmp_path):
+    """The CPU layout packs the file's Q4_1 / Q8_0 matrices as quantized panels (types the kernel does not read
+    stay float32), with the logits of float32 panels of the dequantized model bit for bit and transformers'."""
+    path = write_gguf(tmp_path / "m.gguf", tiny_dirs[name], qtype=qtype)
+    config, params = load_model(path)
+    quant = to_cpu_layout(params, config, quantized=load_blocks(path))
+    head = quant["embed_tokens"]["embedding_p"] if config.tie_word_embeddings else quant["lm_head"]["kernel_p"]
+    for w in (quant["layers_0"]["self_attn"]["qkv_proj"]["kernel_p"], quant["layers_1"]["mlp"]["down_proj"]["kernel_p"],
+              head):
+        assert w.dtype == kernel_dtype
+    ours = prefill_logits(config, quant, PROMPT)
+    np.testing.assert_array_equal(ours, prefill_logits(config, to_cpu_layout(params, config), PROMPT))
+    assert_logits_close(ours, torch_logits(hf_from_gguf(path), PROMPT))
+    if qtype == Q.Q4_1:  # params that are not the file's values (rounded to bfloat16) keep their own
+        config, params = load_model(path, dtype="bfloat16")
+        bf16 = to_cpu_layout(params, config, quantized=load_blocks(path))
+        assert bf16["layers_0"]["mlp"]["gate_up_proj"]["kernel_p"].dtype == jnp.bfloat16
 
 
 def test_bfloat16_dtype(tiny_dirs, tmp_path):
@@ -522,6 +547,10 @@ def _greedy_vs_transformers(smol, llm, hf_model, prompts: list[str], new: int) -
 
 
 def test_smollm2_greedy_matches_transformers_generate(smol, smol_llm, smol_hf_model):
+    if smol_llm.runner.cpu_weight_layout:  # the engine runs the file's Q4_1 / Q8_0 blocks themselves
+        target = smol_llm.runner.params[0]
+        assert target["layers_0"]["mlp"]["down_proj"]["kernel_p"].dtype == np.uint8
+        assert target["embed_tokens"]["embedding_p"].dtype == np.int8
     chat = render_chat(read_chat_template(smol), CHATS[0], load_tokenizer(smol))
     texts = _greedy_vs_transformers(smol, smol_llm, smol_hf_model, ["def fibonacci(n):", chat], new=8)
     assert "Paris" in texts[1], texts

@@ -19,6 +19,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 // Always inlined: the kernels' inner loops call these per vector.
 #define SPECJAX_INLINE inline __attribute__((always_inline))
 
@@ -34,6 +38,8 @@ constexpr int kLanes = 8;
 constexpr int kLanes = 4;  // SSE, NEON
 #endif
 typedef float fvec __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t uvec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
 
 SPECJAX_INLINE fvec LoadVec(const float* p) {
   fvec v;
@@ -43,7 +49,6 @@ SPECJAX_INLINE fvec LoadVec(const float* p) {
 
 SPECJAX_INLINE fvec LoadVec(const uint16_t* p) {  // bfloat16 -> float32
   typedef uint16_t hvec __attribute__((vector_size(2 * kLanes)));
-  typedef uint32_t uvec __attribute__((vector_size(4 * kLanes)));
   hvec h;
   std::memcpy(&h, p, sizeof h);
   uvec u = __builtin_convertvector(h, uvec) << 16;
@@ -53,6 +58,65 @@ SPECJAX_INLINE fvec LoadVec(const uint16_t* p) {  // bfloat16 -> float32
 }
 
 SPECJAX_INLINE void StoreVec(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
+
+// kLanes bytes widened to int32 lanes, zero- or sign-extended. GCC 12 scalarizes a one-step
+// __builtin_convertvector from bytes to int32 (16 moves and inserts per vector), so x86 uses the one
+// instruction that does it (vpmovzxbd / vpmovsxbd).
+SPECJAX_INLINE ivec LoadBytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  typedef uint8_t bvec __attribute__((vector_size(kLanes)));
+  bvec b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, ivec);
+#endif
+}
+
+SPECJAX_INLINE ivec LoadSignedBytes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  typedef int8_t bvec __attribute__((vector_size(kLanes)));
+  bvec b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, ivec);
+#endif
+}
+
+// float16 bits -> float32 (exact; every float16 is a float32).
+SPECJAX_INLINE float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t u;
+  if (exp == 31) {
+    u = sign | 0x7F800000u | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// kLanes float16 -> float32 (F16C's vcvtph2ps where the machine has it).
+SPECJAX_INLINE fvec LoadHalfVec(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (fvec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX__) && defined(__F16C__)
+  return (fvec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  fvec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = HalfToFloat(p[i]);
+  return v;
+#endif
+}
 
 SPECJAX_INLINE float ToFloat(float x) { return x; }
 

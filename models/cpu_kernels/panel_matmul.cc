@@ -10,11 +10,13 @@
 // kPanel = two of the machine's vectors (32 columns with AVX-512, 16 with AVX2, 8 with SSE or
 // NEON; SpecjaxPanelWidth tells the packing). A tile of up to kRowGroup rows streams its panel
 // once, loading kPanel weights per k and using them for every row, so a few rows cost about
-// what one does while the weights come from memory.
+// what one does while the weights come from memory. Weights may be float32, bfloat16 or a GGUF
+// file's Q4_1 / Q8_0 blocks (the formats below), all dequantized to the same float32 values.
 //
-// Portable GNU C++ (vector extensions of the machine's own width, common.h; no intrinsics);
-// built on the machine that runs it with -march=native by models/cpu_kernels/build.py, so the
-// same source gives AVX-512, AVX2, SSE or NEON code.
+// Portable GNU C++ (vector extensions of the machine's own width, common.h; intrinsics only where
+// GCC's generic code is poor: byte widening and float16 scales on x86); built on the machine that
+// runs it with -march=native by models/cpu_kernels/build.py, so the same source gives AVX-512,
+// AVX2, SSE or NEON code.
 
 #include <cstdint>
 #include <cstring>
@@ -64,71 +66,180 @@ constexpr int64_t kPrefetchBytes = 4096;
 // Panels claimed per task (64 columns): small enough that two threads finish together.
 constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;
 
-// y[m0 + m, n0 : n0 + kPanel] = sum_k x[m0 + m, k] * panel[k, :] for m < MR.
-template <int MR, typename W>
-inline void Tile(const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+// Weight formats. A panel is a sequence of records, each covering kK consecutive k of its kPanel columns:
+// Dense<T> one k per record (float32 or bfloat16, widened exactly); Q4_1 / Q8_0 32 k per record (one GGUF
+// block of each column: float16 scales, 4- or 8-bit q). Load(j) gives the weights of the record's
+// k = kSub j .. kSub j + kSub - 1 as float32 vectors; At(k, c) one weight.
+//
+// The quantized weights are the float32 values the gguf package dequantizes the file to (d * q + m, d * q,
+// each operation rounded to float32), so the kernel's products are those of the float32 model: d has 11
+// significant bits and q at most 8, so d * q is exact in float32, and a fused multiply-add rounds
+// d * q + m once, as the separate sum does.
+template <typename T>
+struct Dense {
+  static constexpr int64_t kK = 1, kBytes = kPanel * int64_t(sizeof(T));
+  static constexpr int kSub = 1, kSteps = 1;
+  const T* p;
+  explicit Dense(const uint8_t* rec) : p(reinterpret_cast<const T*>(rec)) {}
+  SPECJAX_INLINE void Load(int, fvec (&w)[kSub][kVecs]) const {
+    for (int v = 0; v < kVecs; ++v) w[0][v] = LoadVec(p + v * kLanes);
+  }
+  SPECJAX_INLINE float At(int, int64_t c) const { return specjax::ToFloat(p[c]); }
+};
+
+// Record: d[kPanel] float16, m[kPanel] float16, then 16 rows of kPanel bytes, byte c of row j holding
+// column c's q at k = 2j (low nibble) and 2j + 1 (high nibble); weight = d * q + m. 5 bits per weight.
+struct Q4_1 {
+  static constexpr int64_t kK = 32, kBytes = 20 * kPanel;
+  static constexpr int kSub = 2, kSteps = 16;
+  fvec d[kVecs], m[kVecs];
+  const uint8_t* q;
+  const uint16_t* s;
+  explicit Q4_1(const uint8_t* rec) : q(rec + 4 * kPanel), s(reinterpret_cast<const uint16_t*>(rec)) {
+    for (int v = 0; v < kVecs; ++v)
+      d[v] = specjax::LoadHalfVec(s + v * kLanes), m[v] = specjax::LoadHalfVec(s + kPanel + v * kLanes);
+  }
+  SPECJAX_INLINE void Load(int j, fvec (&w)[kSub][kVecs]) const {
+    for (int v = 0; v < kVecs; ++v) {
+      const specjax::ivec u = specjax::LoadBytes(q + j * kPanel + v * kLanes);
+      w[0][v] = __builtin_convertvector(u & 15, fvec) * d[v] + m[v];
+      w[1][v] = __builtin_convertvector(u >> 4, fvec) * d[v] + m[v];
+    }
+  }
+  SPECJAX_INLINE float At(int k, int64_t c) const {
+    const uint8_t b = q[(k / 2) * kPanel + c];
+    return static_cast<float>(k % 2 ? b >> 4 : b & 15) * specjax::HalfToFloat(s[c]) +
+           specjax::HalfToFloat(s[kPanel + c]);
+  }
+};
+
+// Record: d[kPanel] float16, then 32 rows of kPanel int8 (column c's q at k = j); weight = d * q. 8.5 bits
+// per weight.
+struct Q8_0 {
+  static constexpr int64_t kK = 32, kBytes = 34 * kPanel;
+  static constexpr int kSub = 1, kSteps = 32;
+  fvec d[kVecs];
+  const int8_t* q;
+  const uint16_t* s;
+  explicit Q8_0(const uint8_t* rec) : q(reinterpret_cast<const int8_t*>(rec + 2 * kPanel)),
+                                      s(reinterpret_cast<const uint16_t*>(rec)) {
+    for (int v = 0; v < kVecs; ++v) d[v] = specjax::LoadHalfVec(s + v * kLanes);
+  }
+  SPECJAX_INLINE void Load(int j, fvec (&w)[kSub][kVecs]) const {
+    for (int v = 0; v < kVecs; ++v)
+      w[0][v] = __builtin_convertvector(specjax::LoadSignedBytes(q + j * kPanel + v * kLanes), fvec) * d[v];
+  }
+  SPECJAX_INLINE float At(int k, int64_t c) const {
+    return static_cast<float>(q[k * kPanel + c]) * specjax::HalfToFloat(s[c]);
+  }
+};
+
+// y[m0 + m, n0 : n0 + kPanel] = sum_k x[m0 + m, k] * panel[k, :] for m < MR, k ascending in every format.
+template <int MR, typename F>
+inline void Tile(const float* x, const uint8_t* panel, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
   fvec acc[MR][kVecs] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const W* row = panel + k * kPanel;
-    const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchBytes;
-    for (int64_t b = 0; b < kPanel * int64_t(sizeof(W)); b += 64) __builtin_prefetch(ahead + b, 0, kPrefetchLocality);
-    fvec w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = LoadVec(row + v * kLanes);
-    for (int m = 0; m < MR; ++m) {
-      const float xs = x[(m0 + m) * K + k];
-      for (int v = 0; v < kVecs; ++v) acc[m][v] += w[v] * xs;
+  for (int64_t r = 0; r < K / F::kK; ++r) {
+    const uint8_t* rec = panel + r * F::kBytes;
+    for (int64_t b = 0; b < F::kBytes; b += 64) __builtin_prefetch(rec + kPrefetchBytes + b, 0, kPrefetchLocality);
+    const F f(rec);
+    for (int j = 0; j < F::kSteps; ++j) {
+      fvec w[F::kSub][kVecs];
+      f.Load(j, w);
+      for (int s = 0; s < F::kSub; ++s) {
+        const int64_t k = r * F::kK + j * F::kSub + s;
+        for (int m = 0; m < MR; ++m) {
+          const float xs = x[(m0 + m) * K + k];
+          for (int v = 0; v < kVecs; ++v) acc[m][v] += w[s][v] * xs;
+        }
+      }
     }
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVecs; ++v) StoreVec(y + (m0 + m) * N + n0 + v * kLanes, acc[m][v]);
 }
 
-template <int MR, typename W>
-inline void TileIf(int64_t rows, const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t m0,
+template <int MR, typename F>
+inline void TileIf(int64_t rows, const float* x, const uint8_t* panel, float* y, int64_t K, int64_t N, int64_t m0,
                    int64_t n0) {
   if constexpr (MR > 0) {
-    if (rows == MR) return Tile<MR>(x, panel, y, K, N, m0, n0);
-    TileIf<MR - 1>(rows, x, panel, y, K, N, m0, n0);
+    if (rows == MR) return Tile<MR, F>(x, panel, y, K, N, m0, n0);
+    TileIf<MR - 1, F>(rows, x, panel, y, K, N, m0, n0);
   }
 }
 
-// Panels [p0, p1) for all M rows; a panel is re-read (from cache) once per row group.
-template <typename W>
-void Panels(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+// Panels [p0, p1) for all M rows; a panel is re-read (from cache) once per row group, and a quantized one
+// dequantized again: keeping the first group's float32 weights for the next groups (a per-thread copy in L2)
+// was not faster (SmolLM2 batch 8, K = 4, 40 rows: 1.01x; batch 1, K = 8, 9 rows: 0.94x).
+template <typename F>
+void Panels(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const W* panel = w + p * K * kPanel;
+    const uint8_t* panel = w + p * (K / F::kK) * F::kBytes;
     int64_t m0 = 0;
-    for (; m0 + kRowGroup <= M; m0 += kRowGroup) Tile<kRowGroup>(x, panel, y, K, N, m0, p * kPanel);
-    TileIf<kRowGroup - 1>(M - m0, x, panel, y, K, N, m0, p * kPanel);
+    for (; m0 + kRowGroup <= M; m0 += kRowGroup) Tile<kRowGroup, F>(x, panel, y, K, N, m0, p * kPanel);
+    TileIf<kRowGroup - 1, F>(M - m0, x, panel, y, K, N, m0, p * kPanel);
   }
 }
 
-template <typename W>
-void Run(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t panels) {
+template <typename F>
+void Run(ffi::ThreadPool& pool, const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t panels) {
   int64_t chunks = (panels + kChunk - 1) / kChunk;
+  const uint8_t* wb = static_cast<const uint8_t*>(w);
   specjax::ParallelFor(pool, chunks, [=](int64_t c) {
     int64_t p0 = c * kChunk, p1 = p0 + kChunk < panels ? p0 + kChunk : panels;
-    Panels(x, w, y, M, K, panels * kPanel, p0, p1);
+    Panels<F>(x, wb, y, M, K, panels * kPanel, p0, p1);
   });
+}
+
+// The format of panels w [P, K / kK, record elements] and their K; nullopt-like -1 when w matches none.
+// float32 / bfloat16: [P, K, kPanel]; uint8: Q4_1 records [P, K / 32, 20 kPanel]; int8: Q8_0 [P, K / 32, 34 kPanel].
+enum class Format { kF32, kBF16, kQ4_1, kQ8_0, kNone };
+
+Format FormatOf(const ffi::AnyBuffer& w, int64_t* K) {
+  auto wd = w.dimensions();
+  if (wd.size() != 3) return Format::kNone;
+  switch (w.element_type()) {
+    case ffi::F32: *K = wd[1]; return wd[2] == kPanel ? Format::kF32 : Format::kNone;
+    case ffi::BF16: *K = wd[1]; return wd[2] == kPanel ? Format::kBF16 : Format::kNone;
+    case ffi::U8: *K = wd[1] * 32; return wd[2] == Q4_1::kBytes ? Format::kQ4_1 : Format::kNone;
+    case ffi::S8: *K = wd[1] * 32; return wd[2] == Q8_0::kBytes ? Format::kQ8_0 : Format::kNone;
+    default: return Format::kNone;
+  }
+}
+
+template <typename F>
+struct Tag {
+  using type = F;
+};
+
+// Calls fn(Tag<F>{}) for the format's record type F.
+template <typename Fn>
+void WithFormat(Format f, Fn fn) {
+  switch (f) {
+    case Format::kF32: return fn(Tag<Dense<float>>{});
+    case Format::kBF16: return fn(Tag<Dense<uint16_t>>{});
+    case Format::kQ4_1: return fn(Tag<Q4_1>{});
+    case Format::kQ8_0: return fn(Tag<Q8_0>{});
+    case Format::kNone: return;
+  }
 }
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (x.element_type() != ffi::F32 || xd.size() != 2)
     return ffi::Error::InvalidArgument("specjax_panel_matmul: x must be float32 [M, K]");
-  if (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("specjax_panel_matmul: w must be [P, K, SpecjaxPanelWidth()] with x's K");
+  int64_t K = -1;
+  const Format format = FormatOf(w, &K);
+  if (format == Format::kNone || K != xd[1])
+    return ffi::Error::InvalidArgument(
+        "specjax_panel_matmul: w must be panels with x's K: float32 or bfloat16 [P, K, SpecjaxPanelWidth()], "
+        "Q4_1 uint8 [P, K / 32, 20 SpecjaxPanelWidth()] or Q8_0 int8 [P, K / 32, 34 SpecjaxPanelWidth()]");
   if (y->element_type() != ffi::F32 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] * kPanel)
     return ffi::Error::InvalidArgument("specjax_panel_matmul: y must be float32 [M, P * SpecjaxPanelWidth()]");
   const float* xp = static_cast<const float*>(x.untyped_data());
   float* yp = static_cast<float*>(y->untyped_data());
-  if (w.element_type() == ffi::F32) {
-    Run(pool, xp, static_cast<const float*>(w.untyped_data()), yp, xd[0], xd[1], wd[0]);
-  } else if (w.element_type() == ffi::BF16) {
-    Run(pool, xp, static_cast<const uint16_t*>(w.untyped_data()), yp, xd[0], xd[1], wd[0]);
-  } else {
-    return ffi::Error::InvalidArgument("specjax_panel_matmul: w must be float32 or bfloat16");
-  }
+  WithFormat(format, [&](auto tag) {
+    Run<typename decltype(tag)::type>(pool, xp, w.untyped_data(), yp, xd[0], K, wd[0]);
+  });
   return ffi::Error::Success();
 }
 
@@ -136,31 +247,32 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // are clipped into [0, P * kPanel). Why a kernel: XLA:CPU gathers a bfloat16 table by widening all of it to
 // float32 first, and in a head's drafting loop it hoists that widening out of the loop as a copy of the whole
 // table (1.1 ms per step for the shipped 4096-row target); this reads only the rows asked for.
-template <typename W>
-void Rows(const int32_t* ids, const W* w, float* out, int64_t n, int64_t K, int64_t panels) {
-  const int64_t last = panels * kPanel - 1;
+template <typename F>
+void Rows(const int32_t* ids, const uint8_t* w, float* out, int64_t n, int64_t K, int64_t panels) {
+  const int64_t last = panels * kPanel - 1, records = K / F::kK;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = ids[i] < 0 ? 0 : (ids[i] > last ? last : ids[i]);
-    const W* col = w + (id / kPanel) * K * kPanel + id % kPanel;
-    for (int64_t k = 0; k < K; ++k) out[i * K + k] = specjax::ToFloat(col[k * kPanel]);
+    const uint8_t* panel = w + (id / kPanel) * records * F::kBytes;
+    for (int64_t r = 0; r < records; ++r) {
+      const F f(panel + r * F::kBytes);
+      for (int k = 0; k < F::kK; ++k) out[i * K + r * F::kK + k] = f.At(k, id % kPanel);
+    }
   }
 }
 
 ffi::Error PanelRows(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto wd = w.dimensions(), od = out->dimensions();
   const int64_t n = static_cast<int64_t>(ids.element_count());
-  if (wd.size() != 3 || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("specjax_panel_rows: w must be [P, K, SpecjaxPanelWidth()]");
-  if (od.size() != 2 || od[0] != n || od[1] != wd[1])
+  int64_t K = -1;
+  const Format format = FormatOf(w, &K);
+  if (format == Format::kNone)
+    return ffi::Error::InvalidArgument("specjax_panel_rows: w must be panels (see specjax_panel_matmul)");
+  if (od.size() != 2 || od[0] != n || od[1] != K)
     return ffi::Error::InvalidArgument("specjax_panel_rows: out must be float32 [number of ids, K]");
-  float* op = out->typed_data();
-  if (w.element_type() == ffi::F32) {
-    Rows(ids.typed_data(), static_cast<const float*>(w.untyped_data()), op, n, wd[1], wd[0]);
-  } else if (w.element_type() == ffi::BF16) {
-    Rows(ids.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), op, n, wd[1], wd[0]);
-  } else {
-    return ffi::Error::InvalidArgument("specjax_panel_rows: w must be float32 or bfloat16");
-  }
+  WithFormat(format, [&](auto tag) {
+    Rows<typename decltype(tag)::type>(ids.typed_data(), static_cast<const uint8_t*>(w.untyped_data()),
+                                       out->typed_data(), n, K, wd[0]);
+  });
   return ffi::Error::Success();
 }
 
@@ -173,13 +285,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] float32
-                                  .Arg<ffi::AnyBuffer>()  // w [P, K, kPanel] float32 or bfloat16
+                                  .Arg<ffi::AnyBuffer>()  // w panels in any format (FormatOf)
                                   .Ret<ffi::AnyBuffer>()  // y [M, kPanel * P] float32
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelRows, PanelRows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [...] int32
-                                  .Arg<ffi::AnyBuffer>()  // w [P, K, kPanel] float32 or bfloat16
+                                  .Arg<ffi::AnyBuffer>()  // w panels in any format (FormatOf)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [number of ids, K] float32
 );

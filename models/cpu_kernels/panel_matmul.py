@@ -6,6 +6,12 @@ Panel layout of a ``[N, K]`` weight (``W[n, k]`` multiplies input feature k into
 ``C = panel_width()`` columns per panel (two of the machine's float vectors: 32 with AVX-512, 16 with AVX2)::
 
     w_p [P, K, C] with P = ceil(N / C):  w_p[p, k, j] = W[C p + j, k]   (rows past N are zero)
+
+A weight quantized as a GGUF file stores it (Q4_1, Q8_0: blocks of 32 along K with float16 scales) can keep its
+blocks: panels of records ``[P, K / 32, R]``, one record per 32 k of a panel's C columns (:func:`pack_q4_1`,
+:func:`pack_q8_0`). The kernel dequantizes each weight as the gguf package does, so its products, and the model's
+logits, are those of the float32 weights the file dequantizes to, while a step streams 5 (Q4_1) or 8.5 (Q8_0) bits
+per weight instead of 32.
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ from models.cpu_kernels.build import available  # noqa: F401 (re-exported)
 DEFAULT_PANEL = 32
 """Panel width :func:`pack` uses where the kernel is not built (the layout is then only data)."""
 DTYPES = (jnp.float32, jnp.bfloat16)
-"""Weight dtypes the kernel reads (it always accumulates in float32)."""
+"""Float weight dtypes the kernel reads (it always accumulates in float32)."""
+QUANT_BLOCK = 32
+"""k per quantized record (a GGUF block)."""
+RECORD_BYTES = {np.dtype(np.uint8): 20, np.dtype(np.int8): 34}
+"""Quantized panels by dtype -> record bytes per panel column: uint8 Q4_1 (float16 d and m, 32 nibbles), int8
+Q8_0 (float16 d, 32 int8): GGUF's own 5 and 8.5 bits per weight."""
 
 
 def panel_width() -> int:
@@ -48,9 +59,98 @@ def pack(w: Any, dtype: Any = None, *, width: int | None = None) -> np.ndarray:
     return np.ascontiguousarray(out if dtype is None else np.asarray(jnp.asarray(out).astype(dtype)))
 
 
-def unpack(w_p: Any, n: int) -> np.ndarray:
-    """Inverse of :func:`pack`: panels -> the ``[n, K]`` weight."""
+def is_quantized(w_p: Any) -> bool:
+    """Whether panels ``w_p`` hold quantized records (:data:`RECORD_BYTES`) rather than float weights."""
+    return np.dtype(w_p.dtype) in RECORD_BYTES
+
+
+def panel_shape(w_p: Any) -> tuple[int, int, int]:
+    """``(P, K, C)`` of panels in any format."""
+    p, r, last = w_p.shape
+    if is_quantized(w_p):
+        return p, r * QUANT_BLOCK, last // RECORD_BYTES[np.dtype(w_p.dtype)]
+    return p, r, last
+
+
+def _half(s: Any, name: str) -> np.ndarray:
+    """Scales as float16, refusing values that are not float16 (the kernel's exactness rests on it)."""
+    s = np.asarray(s)
+    h = s.astype(np.float16)
+    if not np.array_equal(h.astype(np.float32), s.astype(np.float32), equal_nan=True):
+        raise ValueError(f"{name} must hold float16 values (GGUF block scales), got {s.dtype} values that are not")
+    return h
+
+
+def _matrix(q: Any, dtype: Any) -> np.ndarray:
+    q = np.asarray(q, dtype)
+    if q.ndim != 2 or q.shape[1] % QUANT_BLOCK:
+        raise ValueError(f"quantized panels need a [N, K] q with K divisible by {QUANT_BLOCK}, got shape {q.shape}")
+    return q
+
+
+def _records(n: int, k: int, c: int, scales: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
+    """Records ``[P, K / 32, bytes]`` (uint8) of panels of C columns: per scale ``[N, K / 32]`` (float16) the C
+    columns' values, then ``rows [N, K / 32, J]`` (bytes) as J rows of C bytes (column c = weight row C p + c)."""
+    p, b = -(-n // c), k // QUANT_BLOCK
+
+    def by_panel(x: np.ndarray) -> np.ndarray:  # [N, B, ...] -> [P, C, B, ...], rows past N zero
+        out = np.zeros((p * c, *x.shape[1:]), x.dtype)
+        out[:n] = x
+        return out.reshape(p, c, *x.shape[1:])
+
+    parts = [by_panel(s.reshape(n, b)).transpose(0, 2, 1).copy().view(np.uint8) for s in scales]  # [P, B, 2 C]
+    parts.append(by_panel(rows).transpose(0, 2, 3, 1).reshape(p, b, -1))  # [P, B, J C]: J rows of C bytes
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1))
+
+
+def pack_q4_1(q: Any, d: Any, m: Any, *, width: int | None = None) -> np.ndarray:
+    """Q4_1 weight ``W[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]`` (``q`` in 0..15; ``d``, ``m`` float16
+    values; W as the gguf package dequantizes it, in float32) -> uint8 panels ``[P, K / 32, 20 C]``.
+
+    Record of panel p, block b: d of its C columns (float16), m likewise, then 16 rows of C bytes, byte c of row j
+    = q at k = 32 b + 2 j (low nibble) | q at k + 1 (high nibble) of column c."""
+    q = _matrix(q, np.uint8)
+    n, k = q.shape
+    pairs = q.reshape(n, k // QUANT_BLOCK, QUANT_BLOCK // 2, 2)
+    nibbles = (pairs[..., 0] & 15) | (pairs[..., 1] << 4)  # [N, B, 16]
+    return _records(n, k, panel_width() if width is None else width, [_half(d, "d"), _half(m, "m")], nibbles)
+
+
+def pack_q8_0(q: Any, d: Any, *, width: int | None = None) -> np.ndarray:
+    """Q8_0 weight ``W[n, k] = d[n, k // 32] * q[n, k]`` (``q`` int8, ``d`` float16 values) -> int8 panels
+    ``[P, K / 32, 34 C]``: per record d of the C columns (float16), then 32 rows of C int8 (k ascending)."""
+    q = _matrix(q, np.int8)
+    n, k = q.shape
+    rows = q.reshape(n, k // QUANT_BLOCK, QUANT_BLOCK).view(np.uint8)
+    return _records(n, k, panel_width() if width is None else width, [_half(d, "d")], rows).view(np.int8)
+
+
+def dequantize(w_p: Any, n: int) -> np.ndarray:
+    """float32 ``[n, K]`` weight of quantized panels, computed with numpy as the gguf package does (reference)."""
     w_p = np.asarray(w_p)
+    p, k, c = panel_shape(w_p)
+    raw = w_p.view(np.uint8).reshape(p, k // QUANT_BLOCK, -1)  # [P, B, bytes]
+
+    def scale(i: int) -> np.ndarray:  # [n, B, 1] float32
+        f = np.ascontiguousarray(raw[..., 2 * c * i: 2 * c * (i + 1)]).view(np.float16)  # [P, B, C]
+        return f.transpose(0, 2, 1).reshape(p * c, -1, 1)[:n].astype(np.float32)
+
+    def rows(first: int, dtype: Any) -> np.ndarray:  # [n, B, J]
+        r = raw[..., first:].view(dtype).reshape(p, k // QUANT_BLOCK, -1, c)  # [P, B, J, C]
+        return r.transpose(0, 3, 1, 2).reshape(p * c, k // QUANT_BLOCK, -1)[:n]
+
+    if np.dtype(w_p.dtype) == np.uint8:  # Q4_1
+        nib = rows(4 * c, np.uint8)
+        q = np.stack([nib & 15, nib >> 4], axis=-1).reshape(n, -1, QUANT_BLOCK).astype(np.float32)
+        return ((scale(0) * q) + scale(1)).reshape(n, k)
+    return (scale(0) * rows(2 * c, np.int8).astype(np.float32)).reshape(n, k)  # Q8_0
+
+
+def unpack(w_p: Any, n: int) -> np.ndarray:
+    """Inverse of :func:`pack`: panels -> the ``[n, K]`` weight (float32 for quantized panels, :func:`dequantize`)."""
+    w_p = np.asarray(w_p)
+    if is_quantized(w_p):
+        return dequantize(w_p, n)
     p, k, c = w_p.shape
     return np.ascontiguousarray(w_p.transpose(0, 2, 1).reshape(p * c, k)[:n])
 
@@ -64,11 +164,13 @@ def rows(w_p: jax.Array, idx: jax.Array) -> jax.Array:
     bfloat16 panels go through the C++ row kernel (``panel_matmul.cc``, ``PanelRows``): XLA:CPU would widen
     the whole table to gather from it.
     """
-    c = w_p.shape[2]
-    if w_p.dtype == jnp.bfloat16 and available() and c == panel_width():
-        out = jax.ShapeDtypeStruct((math.prod(idx.shape), w_p.shape[1]), jnp.float32)
+    _, k, c = panel_shape(w_p)
+    if is_quantized(w_p) or (w_p.dtype == jnp.bfloat16 and available() and c == panel_width()):
+        if not available():
+            raise RuntimeError("quantized panels need the CPU kernels, which are not available here")
+        out = jax.ShapeDtypeStruct((math.prod(idx.shape), k), jnp.float32)
         flat = jax.ffi.ffi_call(build.ROWS_TARGET, out)(idx.reshape(-1).astype(jnp.int32), w_p)  # [N, K]
-        return flat.reshape(*idx.shape, w_p.shape[1])
+        return flat.reshape(*idx.shape, k)
     idx = jnp.clip(idx, 0, w_p.shape[0] * c - 1)
     out = w_p[idx // c, :, idx % c]  # [..., K]
     return out.astype(jnp.float32) if w_p.dtype == jnp.bfloat16 else out
@@ -76,13 +178,13 @@ def rows(w_p: jax.Array, idx: jax.Array) -> jax.Array:
 
 def rows_reference(w_p: Any, idx: Any) -> np.ndarray:
     """float32 numpy :func:`rows` from the unpacked weight."""
-    w_p = np.asarray(w_p).astype(np.float32)
-    return unpack(w_p, w_p.shape[0] * w_p.shape[2])[np.clip(np.asarray(idx), 0, w_p.shape[0] * w_p.shape[2] - 1)]
+    p, _, c = panel_shape(w_p)
+    return unpack(w_p, p * c).astype(np.float32)[np.clip(np.asarray(idx), 0, p * c - 1)]
 
 
 def _call(x2: jax.Array, w_p: jax.Array) -> jax.Array:
     """pallas_call's counterpart: ``[M, K] f32 x [P, K, C] -> f32 [M, C P]`` through the XLA FFI."""
-    out = jax.ShapeDtypeStruct((x2.shape[0], w_p.shape[0] * w_p.shape[2]), jnp.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], w_p.shape[0] * panel_width()), jnp.float32)
     return jax.ffi.ffi_call(build.TARGET, out)(x2, w_p)
 
 
@@ -92,15 +194,17 @@ def panel_matmul(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None)
     Accumulates in float32. CPU only (an XLA custom call); raises RuntimeError if the kernel could not be
     built here (:func:`available` says so beforehand).
     """
+    if w_p.dtype not in DTYPES and not is_quantized(w_p):
+        raise ValueError(f"w_p must be float32 or bfloat16 panels or quantized records, got {w_p.dtype}")
     c = panel_width()
-    if w_p.ndim != 3 or w_p.shape[2] != c:
-        raise ValueError(f"w_p must be panels [P, K, {c}] (this machine's kernel width), got shape {w_p.shape}")
-    if x.shape[-1] != w_p.shape[1]:
-        raise ValueError(f"x's last dim {x.shape[-1]} != the panels' K {w_p.shape[1]}")
-    if not 0 < n <= w_p.shape[0] * c or n <= (w_p.shape[0] - 1) * c:
-        raise ValueError(f"n={n} does not fit {w_p.shape[0]} panels of {c} columns")
-    if w_p.dtype not in DTYPES:
-        raise ValueError(f"w_p must be float32 or bfloat16, got {w_p.dtype}")
+    if w_p.ndim != 3 or panel_shape(w_p)[2] != c or w_p.shape[2] % c:
+        raise ValueError(f"w_p must be panels [P, K, {c}] or records [P, K / {QUANT_BLOCK}, R * {c}] (this "
+                         f"machine's kernel width), got shape {w_p.shape}")
+    p, k, _ = panel_shape(w_p)
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dim {x.shape[-1]} != the panels' K {k}")
+    if not 0 < n <= p * c or n <= (p - 1) * c:
+        raise ValueError(f"n={n} does not fit {p} panels of {c} columns")
     if not available():
         raise RuntimeError("the CPU panel-matmul kernel is not available here (see the log for why)")
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -111,6 +215,6 @@ def panel_matmul(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None)
 
 def reference(x: Any, w_p: Any, n: int) -> np.ndarray:
     """float64 numpy ``x @ W.T`` from the unpacked weight (independent of the kernel's loop order)."""
-    w = unpack(np.asarray(w_p).astype(np.float32), n)  # [n, K]
+    w = unpack(w_p, n).astype(np.float32)  # [n, K]
     x = np.asarray(x, np.float64)
     return x @ w.astype(np.float64).T

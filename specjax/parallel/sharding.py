@@ -153,11 +153,12 @@ class ShardingPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def layout(self, params: Any, config: LlamaConfig) -> Any:
+    def layout(self, params: Any, config: LlamaConfig, *, quantized: Any = None) -> Any:
         """``params`` in the layout this plan runs them in: ``models.cpu_layout``'s on a one-CPU-device mesh
-        (``specjax.backends.use_cpu_weight_layout``), else as given. Converting copies the weights."""
+        (``specjax.backends.use_cpu_weight_layout``), else as given. Converting copies the weights.
+        ``quantized``: the model file's GGUF blocks (``models.loading.load_blocks``), kept where exact."""
         if use_cpu_weight_layout(self.mesh.devices.flat) and not is_cpu_layout(params):
-            return to_cpu_layout(params, config)
+            return to_cpu_layout(params, config, quantized=quantized)
         return params
 
     def params(self, params: Any, config: LlamaConfig) -> Any:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.llama import LlamaConfig, forward
-from models.loading import load_model
+from models.loading import load_blocks, load_model
 from specjax.builtin import resolve_model
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
 from specjax.parallel.sharding import ShardingPlan
@@ -173,6 +173,6 @@ def build(ctx: BuildContext) -> DraftModelProposer:
             f"{ctx.target_config.vocab_size}; a draft with its own tokenizer needs use_heterogeneous_vocab=True"
         )
     plan = ShardingPlan(mesh=ctx.mesh, tp=ctx.tensor_parallel_size if draft_tp is None else draft_tp)
-    params = plan.layout(params, config)  # large models on CPU: the catch-up forward's few rows stream each weight once
+    params = plan.layout(params, config, quantized=load_blocks(path))  # large models on CPU: the catch-up forward's few rows stream each weight once
     return DraftModelProposer(config, params, plan=plan, vocab_map=vocab_map,
                               probabilistic=spec.draft_sample_method != "greedy" and vocab_map is None)
