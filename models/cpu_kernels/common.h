@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -59,29 +60,20 @@ SPECJAX_INLINE fvec LoadVec(const uint16_t* p) {  // bfloat16 -> float32
 
 SPECJAX_INLINE void StoreVec(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 
-// kLanes bytes widened to int32 lanes, zero- or sign-extended. GCC 12 scalarizes a one-step
+// kLanes bytes widened to int32 lanes (uint8_t zero-, int8_t sign-extended). GCC 12 scalarizes a one-step
 // __builtin_convertvector from bytes to int32 (16 moves and inserts per vector), so x86 uses the one
 // instruction that does it (vpmovzxbd / vpmovsxbd).
-SPECJAX_INLINE ivec LoadBytes(const uint8_t* p) {
+template <typename B>
+SPECJAX_INLINE ivec LoadBytes(const B* p) {
+  constexpr bool kSigned = std::is_signed_v<B>;
 #if defined(__AVX512F__)
-  return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (ivec)(kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #elif defined(__AVX2__)
-  return (ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (ivec)(kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #else
-  typedef uint8_t bvec __attribute__((vector_size(kLanes)));
-  bvec b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, ivec);
-#endif
-}
-
-SPECJAX_INLINE ivec LoadSignedBytes(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  return (ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  typedef int8_t bvec __attribute__((vector_size(kLanes)));
+  typedef B bvec __attribute__((vector_size(kLanes)));
   bvec b;
   std::memcpy(&b, p, sizeof b);
   return __builtin_convertvector(b, ivec);

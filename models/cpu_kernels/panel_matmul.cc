@@ -127,7 +127,7 @@ struct Q8_0 {
   }
   SPECJAX_INLINE void Load(int j, fvec (&w)[kSub][kVecs]) const {
     for (int v = 0; v < kVecs; ++v)
-      w[0][v] = __builtin_convertvector(specjax::LoadSignedBytes(q + j * kPanel + v * kLanes), fvec) * d[v];
+      w[0][v] = __builtin_convertvector(specjax::LoadBytes(q + j * kPanel + v * kLanes), fvec) * d[v];
   }
   SPECJAX_INLINE float At(int k, int64_t c) const {
     return static_cast<float>(q[k * kPanel + c]) * specjax::HalfToFloat(s[c]);
