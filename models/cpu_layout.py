@@ -22,7 +22,7 @@ as every shipped model is): the kernel widens each weight back to the same float
 multiply-adds, so logits are bit-identical while a step streams half the bytes (the shipped 7.5M target's
 weights, 29 MiB in float32, then fit the last-level cache). Activations stay in the params' dtype.
 
-A model read from a GGUF file keeps its Q4_1 / Q8_0 matrices as the file stores them (``quantized`` of
+A model read from a GGUF file keeps its Q4_0 / Q4_1 / Q8_0 matrices as the file stores them (``quantized`` of
 :func:`to_cpu_layout`, from ``models.loading.load_blocks``): panels of GGUF blocks, which the kernel dequantizes
 to the float32 values the params hold (checked at packing), so logits are again bit-identical while a step streams
 5 or 8.5 bits per weight instead of 32 (SmolLM2-135M: 513 MiB of float32 weights, 92 MiB of blocks).

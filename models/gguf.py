@@ -213,26 +213,37 @@ class GGUFFile:
 
 
     def blocks(self, name: str) -> Optional[QuantizedMatrix]:
-        """Tensor ``name``'s GGUF blocks, for the types the CPU panel kernel reads (Q4_1, Q8_0; else None)."""
+        """Tensor ``name``'s GGUF blocks, for the types the CPU panel kernel reads (Q4_0, Q4_1, Q8_0; else None)."""
         t = self.tensors[name]
         return blocks_from_raw(t.data, t.tensor_type, self.tensor_shape(name))
 
 
 def blocks_from_raw(raw: Any, tensor_type: Any, shape: tuple[int, ...]) -> Optional[QuantizedMatrix]:
-    """A GGUF tensor's raw bytes (``[N, bytes per row]``) of an ``[N, K]`` matrix -> its blocks, for Q4_1 and Q8_0
-    (the types the CPU panel kernel reads); None for any other type."""
-    from gguf import GGMLQuantizationType
+    """A GGUF tensor's raw bytes (``[N, bytes per row]``) of an ``[N, K]`` matrix -> its blocks, for Q4_0, Q4_1 and
+    Q8_0 (the types the CPU panel kernel reads); None for any other type.
 
-    kind = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}.get(tensor_type)
-    if kind is None or len(shape) != 2 or shape[1] % 32:
+    Q4_0 (``d * (q - 8)``) becomes Q4_1 with ``m = -8 d``: ``d * q`` and ``8 d`` are exact in float32 and so is their
+    difference ``d * (q - 8)``, so the kernel's ``d * q + m`` is the package's value (None if ``8 d`` overflows
+    float16)."""
+    from gguf import GGMLQuantizationType as T
+
+    if tensor_type not in (T.Q4_0, T.Q4_1, T.Q8_0) or len(shape) != 2 or shape[1] % 32:
         return None
     raw = np.asarray(raw, np.uint8).reshape(shape[0], shape[1] // 32, -1)  # [N, K / 32, block bytes]
     d = np.ascontiguousarray(raw[..., 0:2]).view(np.float16)[..., 0]  # [N, K / 32]
-    if kind == "q8_0":  # block: d, 32 int8
-        return QuantizedMatrix(kind=kind, q=raw[..., 2:34].view(np.int8).reshape(shape), d=d)
-    m = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0]  # block: d, m, 16 bytes of nibbles
-    qs = raw[..., 4:20]  # element i: low nibble of byte i, element i + 16: its high nibble
-    return QuantizedMatrix(kind=kind, q=np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(shape), d=d, m=m)
+    if tensor_type == T.Q8_0:  # block: d, 32 int8
+        return QuantizedMatrix(kind="q8_0", q=raw[..., 2:34].view(np.int8).reshape(shape), d=d)
+    if tensor_type == T.Q4_0:  # block: d, 16 bytes of nibbles
+        with np.errstate(over="ignore", invalid="ignore"):
+            m = d * np.float16(-8)
+        if not np.isfinite(m).all():
+            return None
+        qs = raw[..., 2:18]
+    else:  # Q4_1 block: d, m, 16 bytes of nibbles
+        m = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0]
+        qs = raw[..., 4:20]
+    # element i: low nibble of byte i, element i + 16: its high nibble
+    return QuantizedMatrix(kind="q4_1", q=np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(shape), d=d, m=m)
 
 
 @functools.lru_cache(maxsize=4)
@@ -434,7 +445,7 @@ class _HFView(Mapping):
 
 
 class _BlocksView(Mapping):
-    """The Q4_1 / Q8_0 matrices of a GGUF model under ``models.cpu_layout.to_cpu_layout``'s ``quantized`` keys
+    """The Q4_0 / Q4_1 / Q8_0 matrices of a GGUF model under ``models.cpu_layout.to_cpu_layout``'s ``quantized`` keys
     (``"layers_3/self_attn/q_proj"``, ``"embed_tokens"``, ...), read (and un-permuted) one at a time on access."""
 
     def __init__(self, f: GGUFFile, config: LlamaConfig, permute_qk: bool):

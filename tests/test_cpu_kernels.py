@@ -150,22 +150,22 @@ def _quantized_case(kind: str, n: int, k: int):
 
     from models.gguf import blocks_from_raw
 
-    qtype = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+    qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
     w = (np.random.default_rng(n + k).standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)
-    b = blocks_from_raw(raw, qtype, (n, k))
-    packed = pm.pack_q4_1(b.q, b.d, b.m) if kind == "q4_1" else pm.pack_q8_0(b.q, b.d)
+    b = blocks_from_raw(raw, qtype, (n, k))  # Q4_0 arrives as Q4_1 blocks with m = -8 d
+    packed = pm.pack_q4_1(b.q, b.d, b.m) if b.kind == "q4_1" else pm.pack_q8_0(b.q, b.d)
     return packed, gguf.quants.dequantize(raw, qtype).astype(np.float32)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_0"])
 @pytest.mark.parametrize("n,k", SMOLLM2 + [(70, 64)])  # + a padded last panel
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 40])
 def test_quantized_panels_give_the_float_weights_products_exactly(kind, n, k, m):
     """Panels of GGUF blocks dequantize to what the gguf package gives (its own dequantizer), and the kernel's
     products on them are bit for bit those of float32 panels of those weights, close to the float64 reference."""
     packed, w = _quantized_case(kind, n, k)
-    assert packed.dtype == (np.uint8 if kind == "q4_1" else np.int8)
+    assert packed.dtype == (np.int8 if kind == "q8_0" else np.uint8)
     assert packed.shape == (-(-n // pm.panel_width()), k // 32, pm.RECORD_BYTES[packed.dtype] * pm.panel_width())
     np.testing.assert_array_equal(pm.dequantize(packed, n), w)
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
