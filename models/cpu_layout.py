@@ -178,7 +178,7 @@ def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig, *,
     """The derived CPU layout (module docstring) of a checkpoint-layout param tree.
 
     ``quantized``: the matrices' GGUF blocks by checkpoint path (``"layers_0/self_attn/q_proj"``, ...,
-    ``"embed_tokens"``, ``"lm_head"``; ``models.gguf.gguf_blocks``): a projection whose blocks all dequantize
+    ``"embed_tokens"``, ``"lm_head"``; ``models.gguf_blocks.gguf_blocks``): a projection whose blocks all dequantize
     exactly to its params is packed as quantized panels (module docstring), others as float panels.
 
     Norms, biases and an untied embedding are kept; panels are :func:`narrowed`. :func:`models.llama.forward`,

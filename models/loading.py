@@ -180,10 +180,10 @@ def load_model(path: PathLike, dtype: Any = "float32") -> tuple[LlamaConfig, dic
 
 
 def load_blocks(path: PathLike):
-    """The quantized blocks of a GGUF model file (``models.gguf.gguf_blocks``: lazy, for the CPU layout's
+    """The quantized blocks of a GGUF model file (``models.gguf_blocks.gguf_blocks``: lazy, for the CPU layout's
     quantized panels), or None for an HF directory."""
     if _is_gguf(path):
-        from models.gguf import gguf_blocks
+        from models.gguf_blocks import gguf_blocks
 
         return gguf_blocks(path)
     return None

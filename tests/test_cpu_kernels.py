@@ -148,7 +148,7 @@ def _quantized_case(kind: str, n: int, k: int):
     package dequantizes the blocks to)."""
     import gguf
 
-    from models.gguf import blocks_from_raw
+    from models.gguf_blocks import blocks_from_raw
 
     qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
     w = (np.random.default_rng(n + k).standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
