@@ -229,10 +229,10 @@ def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps
                for k in ks},
         }
         if "blocks" in rows:
+            blocks, after = rows["blocks"], rows["after"]
             rows["blocks_vs_after"] = {
-                "T1_wall": round(rows["blocks"]["T1"]["wall_ms"] / rows["after"]["T1"]["wall_ms"], 3),
-                **{f"K{k}_wall": round(rows["blocks"]["K"][str(k)]["wall_ms"] / rows["after"]["K"][str(k)]["wall_ms"], 3)
-                   for k in ks},
+                "T1_wall": round(blocks["T1"]["wall_ms"] / after["T1"]["wall_ms"], 3),
+                **{f"K{k}_wall": round(blocks["K"][str(k)]["wall_ms"] / after["K"][str(k)]["wall_ms"], 3) for k in ks},
             }
         result["batches"][str(batch)] = rows
         for variant in layouts:

@@ -284,8 +284,9 @@ def test_quantized_logits_match_transformers(qtype, tiny_dirs, tmp_path):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels_available(), reason="the C++ CPU kernels")
-@pytest.mark.parametrize("name,qtype,kernel_dtype", [("llama_gqa", Q.Q4_1, np.uint8), ("llama_tied_mqa", Q.Q8_0, np.int8),
-                                                     ("llama_tied_mqa", Q.Q4_0, np.uint8), ("llama_gqa", Q.Q5_0, np.float32)])
+@pytest.mark.parametrize("name,qtype,kernel_dtype", [
+    ("llama_gqa", Q.Q4_1, np.uint8), ("llama_tied_mqa", Q.Q8_0, np.int8), ("llama_tied_mqa", Q.Q4_0, np.uint8),
+    ("llama_gqa", Q.Q5_0, np.float32)])
 def test_cpu_layout_keeps_q4_1_and_q8_0_blocks_with_the_float_models_logits(name, qtype, kernel_dtype, tiny_dirs,
                                                                              tmp_path):
     """The CPU layout packs the file's Q4_1 / Q8_0 (and Q4_0, as Q4_1) matrices as quantized panels (types the kernel

@@ -9,9 +9,9 @@ Panel layout of a ``[N, K]`` weight (``W[n, k]`` multiplies input feature k into
 
 A weight quantized as a GGUF file stores it (Q4_1, Q8_0, and Q4_0 as Q4_1 with ``m = -8 d``: blocks of 32 along K
 with float16 scales) can keep its blocks: panels of records ``[P, K / 32, R]``, one record per 32 k of a panel's C
-columns (:func:`pack_q4_1`, :func:`pack_q8_0`). The kernel dequantizes each weight as the gguf package does, so its products, and the model's
-logits, are those of the float32 weights the file dequantizes to, while a step streams 5 (Q4_1) or 8.5 (Q8_0) bits
-per weight instead of 32.
+columns (:func:`pack_q4_1`, :func:`pack_q8_0`). The kernel dequantizes each weight as the gguf package does, so its
+products, and the model's logits, are those of the float32 weights the file dequantizes to, while a step streams 5
+(Q4_1) or 8.5 (Q8_0) bits per weight instead of 32.
 """
 
 from __future__ import annotations
