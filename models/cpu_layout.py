@@ -151,7 +151,7 @@ def layer_to_cpu_layout(sub: Mapping[str, Any], *, quantized: Optional[Mapping[s
     """One decoder layer's params (``models.llama.DecoderLayer`` names, also a draft head's layer) -> the
     derived layout: q/k/v fused (+ their biases), o_proj, gate/up fused, down_proj as panels; the rest kept.
     ``quantized``: GGUF blocks by ``prefix + "self_attn/q_proj"`` etc. (:func:`to_cpu_layout`)."""
-    attn, mlp = sub["self_attn"], sub["mlp"]
+    attn = sub["self_attn"]
 
     def mat(entry, in_dims: int = 1) -> np.ndarray:  # a kernel [in..., out...] -> [out, in]
         return output_major(entry["kernel"], int(np.prod(np.shape(entry["kernel"])[:in_dims])))
