@@ -85,7 +85,8 @@ logits are the same either way); ``benchmarks/bench_layout.py`` turns it off to 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantizedMatrix:
     """An output-major ``[N, K]`` weight as a GGUF file stores it: blocks of 32 along K, dequantized (in float32,
-    each operation rounded, as the gguf package does) to ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0)."""
+    each operation rounded, as the gguf package does) to ``d * q + m`` (Q4_1, and Q4_0 with ``m = -8 d``) or
+    ``d * q`` (Q8_0)."""
 
     kind: str
     """``"q4_1"`` or ``"q8_0"``."""
@@ -113,10 +114,11 @@ def quantized_panels(parts: list[QuantizedMatrix], mats: list[Any]) -> Optional[
     if len({p.kind for p in parts}) != 1:
         return None
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
-    q, d = cat([p.q for p in parts]), cat([p.d for p in parts])
-    packed = _pm.pack_q4_1(q, d, cat([p.m for p in parts])) if parts[0].kind == "q4_1" else _pm.pack_q8_0(q, d)
-    want = cat([np.asarray(m) for m in mats])
-    if want.dtype != np.float32 or not np.array_equal(_pm.dequantize(packed, want.shape[0]), want):
+    want, q, d = cat([np.asarray(m) for m in mats]), cat([p.q for p in parts]), cat([p.d for p in parts])
+    packed = None
+    if want.dtype == np.float32 and q.shape == want.shape:
+        packed = _pm.pack_q4_1(q, d, cat([p.m for p in parts])) if parts[0].kind == "q4_1" else _pm.pack_q8_0(q, d)
+    if packed is None or not np.array_equal(_pm.dequantize(packed, len(want)), want):
         logger.info("GGUF blocks do not give the params' values (%s); packing the float weights", want.dtype)
         return None
     return packed
@@ -138,12 +140,7 @@ def output_major(a: Any, rows: int) -> np.ndarray:
 
 
 def _blocks(quantized: Optional[Mapping[str, QuantizedMatrix]], key: str) -> Optional[QuantizedMatrix]:
-    if quantized is None:
-        return None
-    try:
-        return quantized[key]
-    except KeyError:
-        return None
+    return None if quantized is None else quantized.get(key)  # (Mapping.get: None on KeyError)
 
 
 def layer_to_cpu_layout(sub: Mapping[str, Any], *, quantized: Optional[Mapping[str, QuantizedMatrix]] = None,

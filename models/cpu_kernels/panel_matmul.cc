@@ -190,7 +190,7 @@ void Run(ffi::ThreadPool& pool, const float* x, const void* w, float* y, int64_t
   });
 }
 
-// The format of panels w [P, K / kK, record elements] and their K; nullopt-like -1 when w matches none.
+// The format of panels w [P, K / kK, record elements] (kNone when w matches none), and their K in *K.
 // float32 / bfloat16: [P, K, kPanel]; uint8: Q4_1 records [P, K / 32, 20 kPanel]; int8: Q8_0 [P, K / 32, 34 kPanel].
 enum class Format { kF32, kBF16, kQ4_1, kQ8_0, kNone };
 
