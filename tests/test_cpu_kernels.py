@@ -225,6 +225,25 @@ def test_attention_matches_reference(t, e, g, r, block_size):
                                atol=2e-5)
 
 
+@pytest.mark.parametrize("t", [1, 5])
+def test_attention_with_the_keys_split_over_threads(t):
+    """Batch 1 (and 3) with long contexts: the kernel splits each row's keys over the pool's threads when the rows
+    alone do not fill them (here, 2 threads or more), and combines the parts' softmax sums; a padding row and
+    padding tokens in such a batch still get zeros."""
+    rng = np.random.default_rng(11 + t)
+    e, g, r, bs = 64, 3, 3, 16
+    q, kc, vc, pos, tables = make_batch(rng, t=t, g=g, r=r, e=e, block_size=bs, lengths=[1000])
+    _attention_check(q, kc, vc, pos, tables, bs)
+    q, kc, vc, pos, tables = make_batch(rng, t=t, g=g, r=r, e=e, block_size=bs, lengths=[700, 300, 200])
+    pos = np.asarray(pos).copy()
+    tables = np.asarray(tables).copy()
+    pos[2] = -1
+    tables[2] = -1
+    pos[1, -1] = -1
+    out = _attention_check(q, kc, vc, jnp.asarray(pos), jnp.asarray(tables), bs, real=pos >= 0)
+    assert not np.any(out[pos < 0])
+
+
 def test_attention_padding_tokens_and_rows():
     """Engine layouts: a prefill chunk padded with position -1 tokens (zeros out, like the XLA path), a draft
     catch-up row whose first token is a dummy at position 0, an all-padding row with a -1 block table."""

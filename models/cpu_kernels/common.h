@@ -119,6 +119,24 @@ SPECJAX_INLINE float ToFloat(uint16_t h) {
   return f;
 }
 
+// A kLanes x kLanes block v[row][lane] transposed in place, in registers: log2(kLanes) stages, each swapping
+// the off-diagonal d x d blocks of every 2d x 2d block with two-source shuffles (vpermt2ps on AVX-512).
+SPECJAX_INLINE void TransposeBlock(fvec* v) {
+  for (int d = kLanes / 2; d >= 1; d /= 2) {
+    ivec lo, hi;
+    for (int c = 0; c < kLanes; ++c) {
+      lo[c] = (c & d) ? kLanes + c - d : c;  // row i keeps its own columns, takes row i + d's on the right
+      hi[c] = (c & d) ? kLanes + c : c + d;  // row i + d takes row i's right columns, keeps its own
+    }
+    for (int i = 0; i < kLanes; ++i) {
+      if (i & d) continue;
+      const fvec a = v[i], b = v[i + d];
+      v[i] = __builtin_shuffle(a, b, lo);
+      v[i + d] = __builtin_shuffle(a, b, hi);
+    }
+  }
+}
+
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F task) {
   if (n <= 0) return;
