@@ -226,14 +226,15 @@ def test_attention_matches_reference(t, e, g, r, block_size):
 
 
 @pytest.mark.parametrize("t", [1, 5])
-def test_attention_with_the_keys_split_over_threads(t):
-    """Batch 1 (and 3) with long contexts: the kernel splits each row's keys over the pool's threads when the rows
-    alone do not fill them (here, 2 threads or more), and combines the parts' softmax sums; a padding row and
-    padding tokens in such a batch still get zeros."""
+def test_attention_split_over_threads(t):
+    """Batch 1 (and 3): when the rows alone do not fill the pool's threads (here, 2 threads or more), the kernel
+    splits each row's keys over them (long contexts; it combines the parts' softmax sums) or its kv heads (short
+    ones); a padding row and padding tokens in such a batch still get zeros."""
     rng = np.random.default_rng(11 + t)
     e, g, r, bs = 64, 3, 3, 16
-    q, kc, vc, pos, tables = make_batch(rng, t=t, g=g, r=r, e=e, block_size=bs, lengths=[1000])
-    _attention_check(q, kc, vc, pos, tables, bs)
+    for length in (1000, 40):
+        q, kc, vc, pos, tables = make_batch(rng, t=t, g=g, r=r, e=e, block_size=bs, lengths=[length])
+        _attention_check(q, kc, vc, pos, tables, bs)
     q, kc, vc, pos, tables = make_batch(rng, t=t, g=g, r=r, e=e, block_size=bs, lengths=[700, 300, 200])
     pos = np.asarray(pos).copy()
     tables = np.asarray(tables).copy()

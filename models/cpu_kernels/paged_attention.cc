@@ -52,14 +52,15 @@ inline int64_t Slot(const int32_t* table, const Shape& s, int64_t pos) {
   return block * s.block_size + pos % s.block_size;
 }
 
-// Where the values (or keys) of positions c0..c0+nk-1 are: slots[j] -> [G, E] in the cache. Every cache line of
-// them is requested (into L2) ahead of its use: the slots are scattered over blocks.
+// Where the values (or keys) of positions c0..c0+nk-1 are: slots[j] -> [G, E] in the cache. The cache lines of
+// kv heads [g0, g1) are requested (into L2) ahead of their use: the slots are scattered over blocks.
 template <typename KV>
-void SlotRows(const KV* cache, const int32_t* table, const Shape& s, int64_t c0, int64_t nk, const KV** slots) {
-  const int64_t bytes = s.G * s.E * static_cast<int64_t>(sizeof(KV));
+void SlotRows(const KV* cache, const int32_t* table, const Shape& s, int64_t c0, int64_t nk, int64_t g0, int64_t g1,
+              const KV** slots) {
+  const int64_t begin = g0 * s.E * int64_t(sizeof(KV)), end = g1 * s.E * int64_t(sizeof(KV));
   for (int64_t j = 0; j < nk; ++j) {
     slots[j] = cache + Slot(table, s, c0 + j) * s.G * s.E;
-    for (int64_t off = 0; off < bytes; off += 64)
+    for (int64_t off = begin; off < end; off += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(slots[j]) + off, 0, 2);
   }
 }
@@ -199,19 +200,20 @@ SPECJAX_INLINE void WeighValues(const float* p, const KV* const* rows, int64_t n
     }
 }
 
-// Query tokens [t0, t1) of row b, every query head, over the keys [first, last) of the positions they see,
-// where first / last split those positions into ``splits`` parts (multiples of kLanes apart). With one split
-// the result goes to out; with several, each query row's running max m, sum l and unnormalized acc go to
-// part[(query row * splits + split) * (E + 2)] for Combine.
+// Query tokens [t0, t1) of row b, the query heads of kv heads [g0, g1), over the keys [first, last) of the
+// positions they see, where first / last split those positions into ``splits`` parts (multiples of kLanes
+// apart). With one split the result goes to out; with several, each query row's running max m, sum l and
+// unnormalized acc go to part[(query row * splits + split) * (E + 2)] for Combine.
 //
-// A task reads every kv head of a cache slot (one contiguous [G, E] row) where one task per kv head read
-// every G-th run of E values: the strided reads ran at a third of the bandwidth of contiguous ones.
+// A task reads those kv heads of each cache slot (contiguous in its [G, E] row; usually all of them) where one
+// task per kv head read every G-th run of E values: the strided reads ran at a third of the bandwidth.
 template <typename KV>
 void Attend(const float* q, const KV* kc, const KV* vc, const int32_t* positions, const int32_t* tables, float* out,
-            const Shape& s, int64_t b, int64_t t0, int64_t t1, int64_t split, int64_t splits, float* part) {
-  // Row i = g * per_head + (t - t0) * R + r holds query head h = g * R + r of token t: a kv head's rows are
-  // contiguous, for the row-group kernels.
-  const int64_t R = s.H / s.G, E = s.E, per_head = (t1 - t0) * R, n = per_head * s.G;
+            const Shape& s, int64_t b, int64_t t0, int64_t t1, int64_t g0, int64_t g1, int64_t split, int64_t splits,
+            float* part) {
+  // Row i = (g - g0) * per_head + (t - t0) * R + r holds query head h = g * R + r of token t: a kv head's rows
+  // are contiguous, for the row-group kernels.
+  const int64_t R = s.H / s.G, E = s.E, per_head = (t1 - t0) * R, n = per_head * (g1 - g0);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<float> qs(n * E), acc(n * E, 0.f), m(n, neg_inf), l(n, 0.f), p(n * kKeys), keys_t(kKeys * E);
   std::vector<int64_t> pos(n), qrow(n);  // qrow: the row's index in q and out ([B, T, H] flattened)
@@ -222,8 +224,8 @@ void Attend(const float* q, const KV* kc, const KV* vc, const int32_t* positions
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t pt = positions[b * s.T + t];
     max_pos = std::max(max_pos, pt);
-    for (int64_t h = 0; h < s.H; ++h) {
-      const int64_t i = (h / R) * per_head + (t - t0) * R + h % R;
+    for (int64_t h = g0 * R; h < g1 * R; ++h) {
+      const int64_t i = (h / R - g0) * per_head + (t - t0) * R + h % R;
       pos[i] = pt;
       qrow[i] = (b * s.T + t) * s.H + h;
       for (int64_t e = 0; e < E; ++e) qs[i * E + e] = q[qrow[i] * E + e] * s.scale;
@@ -233,13 +235,14 @@ void Attend(const float* q, const KV* kc, const KV* vc, const int32_t* positions
   const int64_t seen = std::min(max_pos + 1, s.M * s.block_size);  // key positions any token sees
   const int64_t first = seen * split / splits / kLanes * kLanes;
   const int64_t last = split + 1 == splits ? seen : seen * (split + 1) / splits / kLanes * kLanes;
-  if (first < last) SlotRows(kc, table, s, first, std::min(kKeys, last - first), key_slots[0]);
+  if (first < last) SlotRows(kc, table, s, first, std::min(kKeys, last - first), g0, g1, key_slots[0]);
   for (int64_t c0 = first, c = 0; c0 < last; c0 += kKeys, c ^= 1) {
     const int64_t nk = std::min(kKeys, last - c0);
-    SlotRows(vc, table, s, c0, nk, value_slots);
-    if (c0 + kKeys < last) SlotRows(kc, table, s, c0 + kKeys, std::min(kKeys, last - c0 - kKeys), key_slots[c ^ 1]);
-    for (int64_t g = 0; g < s.G; ++g) {
-      const int64_t i0 = g * per_head;
+    SlotRows(vc, table, s, c0, nk, g0, g1, value_slots);
+    if (c0 + kKeys < last)
+      SlotRows(kc, table, s, c0 + kKeys, std::min(kKeys, last - c0 - kKeys), g0, g1, key_slots[c ^ 1]);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t i0 = (g - g0) * per_head;
       for (int64_t j = 0; j < nk; ++j) rows[j] = key_slots[c][j] + g * E;
       Transpose(rows, nk, E, keys_t.data());
       ForRowGroups(per_head, [&](auto nr, int64_t i) {
@@ -300,22 +303,29 @@ template <typename KV>
 void Run(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV* vc, const int32_t* positions,
          const int32_t* tables, float* out, const Shape& s) {
   const int64_t t_splits = (s.T + kQueryTokens - 1) / kQueryTokens, tasks = s.B * t_splits;
-  // Few tasks for the threads (batch 1: one) leave threads idle or unevenly loaded: the keys are then split
-  // too, into as many parts as make the task count a multiple of the threads (at least kKeys keys each).
+  // Few tasks for the threads (batch 1: one) leave threads idle or unevenly loaded: each is then split into as
+  // many parts as make the task count a multiple of the threads: its keys, where each part gets a chunk or more,
+  // else its kv heads (the shipped 7.5M target at batch 1, contexts of 64-128: on one thread its plain decoding
+  // took 1.13x the time).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t k_splits = 1;
+  int64_t k_splits = 1, g_splits = 1;
   if (tasks < 4 * threads && tasks % threads != 0) {
+    const int64_t need = threads / std::gcd(tasks, threads);
     int32_t max_pos = -1;
     for (int64_t i = 0; i < s.B * s.T; ++i) max_pos = std::max(max_pos, positions[i]);
-    k_splits = std::max<int64_t>(1, std::min<int64_t>(threads / std::gcd(tasks, threads), (max_pos + 1) / kKeys));
+    if (max_pos + 1 >= need * kKeys || s.G == 1)
+      k_splits = std::max<int64_t>(1, std::min<int64_t>(need, (max_pos + 1) / kLanes));
+    else
+      g_splits = std::min(need, s.G);
   }
   std::vector<float> part(k_splits > 1 ? s.B * s.T * s.H * k_splits * (s.E + 2) : 0);
   float* part_ptr = part.data();
-  specjax::ParallelFor(pool, tasks * k_splits, [=](int64_t task) {
-    const int64_t k_split = task % k_splits, rest = task / k_splits;
-    const int64_t t_split = rest % t_splits, b = rest / t_splits;
+  specjax::ParallelFor(pool, tasks * g_splits * k_splits, [=](int64_t task) {
+    const int64_t k_split = task % k_splits, g_split = task / k_splits % g_splits;
+    const int64_t rest = task / k_splits / g_splits, t_split = rest % t_splits, b = rest / t_splits;
     const int64_t t0 = t_split * kQueryTokens, t1 = std::min(s.T, t0 + kQueryTokens);
-    Attend(q, kc, vc, positions, tables, out, s, b, t0, t1, k_split, k_splits, part_ptr);
+    const int64_t g0 = s.G * g_split / g_splits, g1 = s.G * (g_split + 1) / g_splits;
+    Attend(q, kc, vc, positions, tables, out, s, b, t0, t1, g0, g1, k_split, k_splits, part_ptr);
   });
   if (k_splits > 1)
     for (int64_t row = 0; row < s.B * s.T * s.H; ++row)
