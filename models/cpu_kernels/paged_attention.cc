@@ -7,9 +7,9 @@
 // the cache into a new array and runs small einsums in a loop; at decode sizes that is
 // all overhead, and it grows with the number of query tokens, so on SmolLM2-135M a
 // 5-token verify spent 1.6x a 1-token step's attention time. Here a task (a row's query
-// tokens, or a part of its keys when the rows alone leave threads idle) reads each cache
-// slot once, in place through the block table, every kv head of it, for every query token
-// and query head, so a (K+1)-token verify reads the cache once.
+// tokens; a part of its keys or of its kv heads when the rows alone leave threads idle)
+// reads each cache slot once, in place through the block table, all its kv heads at once,
+// for every query token and query head, so a (K+1)-token verify reads the cache once.
 //
 // Semantics (those of paged_attention_xla): the query token at position p sees the keys
 // at positions 0..p of its row; p < 0 (a padding token) sees nothing and gets zeros.
