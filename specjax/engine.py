@@ -287,6 +287,7 @@ class Engine:
         # order, and whether requests waited (a plan made while the batch drained must not outlive it) ...
         self._held_plan: tuple[int, list[int]] = (0, [])  # ... with this K and these caps
         self._planned = True  # the last decoding step's plan was made in full (not a held one)
+        self._ahead = 1  # drafts a chained proposer makes for the next step (Decision.ahead, see draft_ahead)
         self._last_kind: tuple | None = None  # (bucket, detached) of the last step (cold steps: CostModel)
 
     # ------------------------------------------------------------------ buckets
@@ -336,7 +337,7 @@ class Engine:
                         self.controller.costs.observe(
                             (rows, k, detached, sampled),
                             self.runner.time_step((rows, length, k), detached, sampled, repeats=1,
-                                                  draft_ahead=self.draft_ahead(k, True)), warmup=True)
+                                                  draft_ahead=max(k, 1)), warmup=True)
 
     # ------------------------------------------------------------------ requests
 
@@ -374,13 +375,13 @@ class Engine:
             self.controller.count_step(0, detached=True)
             return 0, np.zeros(n, np.int32), None, True
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
-        limits, can_draft = self._row_limits(rows, slots, k)
+        limits, can_draft, open_limits = self._row_limits(rows, slots, k)
         ids = [r.request.request_id for r in rows]
         wanted = remaining = None
         if self.controller is not None:
             remaining = None if waiting else self._remaining(rows)
             wanted = self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits,
-                                              can_draft, remaining)
+                                              can_draft, remaining, open_limits)
             limits = wanted.caps  # rows not worth drafting are not even looked up
         host_drafts = None
         if self.proposer.host_side and k:
@@ -389,7 +390,7 @@ class Engine:
             return (k if any(limits) else 0), np.array(limits, np.int32), host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
-        self._held, self._held_key = plan.hold, key
+        self._held, self._held_key, self._ahead = plan.hold, key, plan.ahead
         held_k, held_caps = plan.held or (plan.k, plan.caps)
         self._held_plan = held_k, held_caps.tolist()
         caps = np.array([min(a, b) for a, b in zip(limits, plan.caps.tolist())], np.int32)
@@ -401,6 +402,7 @@ class Engine:
         has)."""
         self._held -= 1
         k, caps = self._held_plan
+        self._ahead = max(k, 1)  # (a plan whose drafts grow next step is not held)
         if k == 0:
             self.controller.held_step(0)
             return 0, np.zeros(len(rows), np.int32), None, False
@@ -412,26 +414,29 @@ class Engine:
         self.controller.held_step(k)
         return k, np.array(limits, np.int32), host_drafts, False
 
-    def _row_limits(self, rows, slots: np.ndarray, k: int) -> tuple[list[int], list[bool]]:
-        """([R]: the most drafts each row can verify, [R]: its proposer state is current). Drafts only where
-        they can commit: never past max_tokens or max_model_len."""
+    def _row_limits(self, rows, slots: np.ndarray, k: int) -> tuple[list[int], list[bool], list[int] | None]:
+        """([R]: the most drafts each row can verify, [R]: its proposer state is current, [R] or None: for a
+        proposer that drafts ahead, the first were all K draft positions ready). Drafts only where they can commit:
+        never past max_tokens or max_model_len."""
         # Python lists, here and through the plan: right after a step, numpy calls on few-element arrays cost ~10
         # us each, the first ufunc ~45 us (np.minimum of two 1-element arrays, batch 1; right after it 1.3 us).
         table, max_len = self.scheduler.slots, self.config.max_model_len
         synced, ready = table.synced, table.ready_drafts if self.proposer.drafts_ahead else None
-        limits, can_draft = [], []
+        limits, can_draft, open_limits = [], [], None if ready is None else []
         for r, slot in zip(rows, slots.tolist()):
             request = r.request
-            can = bool(synced[slot]) and (ready is None or ready[slot] > 0)
+            in_sync = bool(synced[slot])
+            can = in_sync and (ready is None or ready[slot] > 0)
             n = 0
-            if can and r.samples:
+            if in_sync and r.samples:
                 n = max(0, min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
                                max_len - request.num_tokens - 1))
-                if ready is not None:
-                    n = min(n, int(ready[slot]))
+            if ready is not None:
+                open_limits.append(n)
+                n = min(n, int(ready[slot]))
             limits.append(n)
             can_draft.append(can)
-        return limits, can_draft
+        return limits, can_draft, open_limits
 
     def _remaining(self, rows) -> np.ndarray:
         """int64 [R]: tokens each row may still generate (max_tokens and max_model_len; an end-of-sequence token
@@ -471,12 +476,12 @@ class Engine:
 
     def draft_ahead(self, k: int, decoding: bool) -> int:
         """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all
-        K_max with a fixed K or after a prefill step; under the controller one more than this step verifies
-        (K may grow by one a step), as each costs a proposer forward (4 sampled EAGLE-3 drafts ahead made a
-        batch-1 step without drafts 2.9x a detached one)."""
+        K_max with a fixed K or after a prefill step; under the controller what its plan asked for
+        (:attr:`Decision.ahead`; ``max(k, 1)`` in a step planned at warmup), as each costs a proposer forward (4
+        sampled EAGLE-3 drafts ahead made a batch-1 step without drafts 2.9x a detached one)."""
         if self.controller is None or not decoding or not self.proposer.chained_drafts:
             return self.k_max
-        return min(k + 1, self.k_max)
+        return self._ahead
 
     def _prefill_detached(self, rows) -> bool:
         """Run this prefill step without the proposer: no row in it is decoding with current proposer state,

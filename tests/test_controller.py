@@ -257,6 +257,39 @@ def test_an_explored_neighbour_runs_two_steps_so_the_second_is_timed_in_a_run():
     assert chosen.k == K and chosen.hold == ControllerConfig().draft_replan_every - 1
 
 
+def test_a_chained_proposer_drafts_ahead_only_what_the_next_plan_may_verify():
+    def plan(c, ready):  # the row has ``ready`` drafts made ahead; K could have been made
+        return c.decide(1, c.row_caps(["a"], [False], np.asarray([ready]), np.asarray([True]), open_limits=[K]))
+
+    # Each K costs more than its drafts gain beyond K = 1 (acceptance 0.8: 1.8 tokens per 1.2 s at K = 1, 2.44 per
+    # 2.0 s at K = 2): one draft is verified and one made ahead, and the plan is held.
+    steep = _controller({(1, 0, False): 1.0, (1, 1, False): 1.2} | {(1, k, False): float(k) for k in range(2, K + 1)},
+                        cost_max_age=0)
+    _teach(steep, "a", 0.8)
+    d = plan(steep, 1)
+    assert (d.k, d.ahead) == (1, 1) and d.hold > 0
+    assert plan(steep, K).ahead == 1  # (more were made after a prefill: still one for the next step)
+    # Every draft accepted, drafting nearly free: the one draft ready is verified and K are made for the next
+    # step; the plan is not held on K = 1.
+    flat = _controller(FLAT, cost_max_age=0)
+    _teach(flat, "a", 1.0)
+    d = plan(flat, 1)
+    assert (d.k, d.ahead, d.hold) == (1, K, 0)
+    d = plan(flat, K)
+    assert (d.k, d.ahead) == (K, K)
+    # Without open limits (a proposer that does not draft ahead), ahead is K (or 1).
+    assert flat.decide(1, flat.row_caps(["a"], [False], np.asarray([2]), np.asarray([True]))).ahead == 2
+    # A neighbour due for exploration (its cost unmeasured in real steps) gets its drafts made first.
+    explore = _controller({}, cost_max_age=8)
+    for k in range(K + 1):  # at warmup K = 2 looked best; K = 3 never ran in a real step
+        explore.costs.observe((1, k, False, False), 1.0 if k <= 2 else 9.0, warmup=True)
+    _teach(explore, "a", 1.0)
+    for k in (1, 2):
+        explore.costs.observe((1, k, False, False), 1.0)
+    d = plan(explore, 2)
+    assert (d.k, d.ahead) == (2, 3)
+
+
 def test_while_learning_k_is_chosen_at_the_optimistic_acceptance_so_deeper_positions_are_taught():
     # Costs rise 0.3 per K: at the prior (0.6 per position) K = 1 is best, and K = 2..4 would never be tried.
     costs = {(1, k, False): 1.0 + 0.3 * k for k in range(K + 1)}

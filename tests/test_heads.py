@@ -146,6 +146,38 @@ def test_preemption_with_a_head_recomputes_its_cache(target_dir, target, tmp_pat
     assert small.get_metrics()["num_preemptions"] > 0
 
 
+def test_under_the_controller_a_head_drafts_ahead_only_what_the_next_step_verifies(target_dir, target, tmp_path,
+                                                                                     plain):
+    """Each chained draft made ahead costs a head forward: with drafting dear beyond K = 1, every decoding step
+    makes one draft for the next (it made two before 2026-12-06), and K never exceeds what the last step made."""
+    h, hp = _scaled_head("eagle3", target[0], seed=2)
+    spec = {"method": "eagle3", "model": str(save_head(tmp_path / "eagle3", h, hp, dtype="float32")),
+            "num_speculative_tokens": 3}
+    llm = specjax.LLM(target_dir, speculative_config=spec, warmup=False, **{**KW, "batch_buckets": (2,)})
+    c = llm.engine.controller
+    for sampled in (False, True):  # K = 1 costs what a step without drafts costs, more drafts 10x
+        c.costs.set((2, 0, False, sampled), 1.0)
+        c.costs.set((2, 0, True, sampled), 1.0)
+        for k in range(1, 4):
+            c.costs.set((2, k, False, sampled), 1.0 if k == 1 else 10.0)
+        c.observe("earlier", sampled, 3, 3)  # (a method that drafts well)
+    c.costs.frozen = True
+    steps = []  # (K, drafts made ahead) of each attached decoding step
+    real_run = llm.runner.run
+
+    def run(batch):
+        if batch.tokens.shape[1] == 1 and batch.attached.any():
+            steps.append((batch.host_drafts.shape[1], int(batch.draft_ahead.max())))
+        return real_run(batch)
+
+    llm.runner.run = run
+    prompts = _prompts(6, [7, 12])
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert _ids(llm.generate(prompts, params)) == _ids(plain.generate(prompts, params))
+    assert sum(k for k, _ in steps) > 0 and {k for k, _ in steps} <= {0, 1}
+    assert {ahead for _, ahead in steps} == {1}
+
+
 def test_dense_training_forward_equals_paged_head(target):
     """Depth 0 of the training forward is the engine's paged head pass on the same entries."""
     t_config, t_params = target

@@ -140,11 +140,14 @@ class SpeculationController:
     # ------------------------------------------------------------------ the choice
 
     def row_caps(self, request_ids: list[str], sampled: list[bool], limits: np.ndarray,
-                 can_draft: np.ndarray, remaining: np.ndarray | None = None) -> RowCaps:
+                 can_draft: np.ndarray, remaining: np.ndarray | None = None,
+                 open_limits: list[int] | None = None) -> RowCaps:
         """Each row's worthwhile drafts from its acceptance estimate alone (no costs, no drafts needed).
 
-        ``limits`` int [R]: the most drafts each row can commit (max_tokens / max_model_len); ``can_draft``
-        bool [R]: the row's proposer state is current; ``remaining`` int [R]: see :attr:`RowCaps.remaining`.
+        ``limits`` int [R]: the most drafts each row can commit (max_tokens / max_model_len) and has ready;
+        ``can_draft`` bool [R]: the row's proposer state is current; ``remaining`` int [R]: see
+        :attr:`RowCaps.remaining`; ``open_limits`` int [R]: a chained proposer's ``limits`` were all its draft
+        positions ready (see :attr:`RowCaps.open_caps`).
         """
         # Plain Python per row: this runs every plan, right after a step (see AcceptanceStats).
         cfg = self.config
@@ -154,8 +157,9 @@ class SpeculationController:
                     self._idle_steps[rid] += self._held_steps
             self._held_steps = 0
         reach, caps, probing, until_probe = [], [], [], 1 << 30
-        for rid, smp, limit, can in zip(request_ids, sampled, np.asarray(limits).tolist(),
-                                        np.asarray(can_draft).tolist()):
+        open_caps = None if open_limits is None else []
+        for i, (rid, smp, limit, can) in enumerate(zip(request_ids, sampled, np.asarray(limits).tolist(),
+                                                       np.asarray(can_draft).tolist())):
             row = self._reach(rid, bool(smp))  # non-increasing
             useful = sum(1 for x in row if x >= cfg.min_gain)  # positions worth drafting
             limit = min(limit, self.k_max) if can else 0
@@ -170,10 +174,12 @@ class SpeculationController:
             reach.append(row)
             caps.append(min(max(useful, int(probe)), limit))
             probing.append(probe)
+            if open_caps is not None:
+                open_caps.append(max(caps[-1], min(useful, open_limits[i], self.k_max)))
         return RowCaps(request_ids=list(request_ids), reach=reach, caps=caps, probing=probing,
                        sampled=any(sampled), until_probe=until_probe,
                        remaining=None if remaining is None else np.asarray(remaining).tolist(),
-                       row_sampled=[bool(x) for x in sampled])
+                       row_sampled=[bool(x) for x in sampled], open_caps=open_caps)
 
     def decide(self, rows: int, plan: RowCaps, found: np.ndarray | None = None,
                can_draft: np.ndarray | None = None) -> Decision:
@@ -224,6 +230,7 @@ class SpeculationController:
             else:
                 self._idle_steps[rid] = self._idle_steps.get(rid, 0) + 1
         self.count_step(k, detached)
+        ahead = self._ahead(rows, plan, k, cap_row) if not detached else 1
         hold, held = 0, None
         # One row's host lookup: a held plan is what a hit would make; its held steps verify what each lookup
         # finds, up to the caps, or run plain, as new plans would (not while probing or learning).
@@ -263,16 +270,36 @@ class SpeculationController:
         # A host lookup's drafts are held for one row only: with more rows, which of them found drafts decides
         # whether verifying pays (ngram at batch 8 held such plans at 0.89x plain).
         if (k and (found is None or one_lookup) and k == draft_k and not learn_k and not probes
-                and not self._detach_votes):
+                and not self._detach_votes and ahead == k):
             hold = max(0, min(cfg.draft_replan_every - 1, plan.until_probe - 1))
             if found is not None:  # caps as if the lookup had found every draft asked for (not only this one's)
                 k_found = k if found_all else self._could_draft(rows, plan) or k
                 held = self._hit_plan(plan, k_found)
-        elif explored and found is None and not probes and not self._detach_votes:
+        elif explored and found is None and not probes and not self._detach_votes and ahead == k:
             hold = max(0, min(1, plan.until_probe - 1))  # its first step ran cold, its second is timed (CostModel)
         held_caps = caps if held is None else held[1]
         self._held_idle = [rid for rid, c in zip(plan.request_ids, held_caps) if not c] if hold else []
-        return Decision(k=k, caps=np.array(caps, np.int32), detached=detached, hold=hold, held=held)
+        return Decision(k=k, caps=np.array(caps, np.int32), detached=detached, hold=hold, held=held, ahead=ahead)
+
+    def _ahead(self, rows: int, plan: RowCaps, k: int, cap_row: list[int]) -> int:
+        """:attr:`Decision.ahead` of a step of K = ``k``: ``max(k, 1)``, or where the drafts ready held the rows
+        back (``plan.open_caps``), the K a plan with every position ready would draft at (by the rules of
+        :meth:`decide`: learning, or beating an attached step without drafts by the margin), or the neighbour
+        ``k + 1`` when :meth:`_explore` is due to try it. A drafting K then grows one step later than it could
+        have, where drafting ``k + 1`` ahead every step cost a proposer forward in each (SmolLM2's EAGLE-3 head at
+        batch 1 drafting K = 1 in 96% of its steps ran 0.90x plain, fixed K = 1 1.03x)."""
+        ahead = max(k, 1)
+        open_caps = plan.open_caps
+        if open_caps is None or ahead >= self.k_max or not any(o > c for o, c in zip(open_caps, cap_row)):
+            return ahead
+        gains = self._gains(plan.reach, open_caps, plan.remaining)
+        want, want_rate, attached_rate, _ = self._plan_rates(rows, plan, gains)
+        learn = self._learning_k(rows, len(open_caps), open_caps, plan.sampled, ids=plan.request_ids) if want else 0
+        if learn or (want and want_rate >= self.config.min_speedup * attached_rate):
+            ahead = max(ahead, learn or want)
+        if k and self._explore(rows, k, open_caps, plan.sampled) == k + 1:
+            ahead = max(ahead, k + 1)
+        return min(ahead, self.k_max)
 
     def _lookup_saved(self, seconds: float) -> None:
         """One plan's :attr:`lookup_saving` (it starts at the first hit: before any, ``min_lookup_hits`` alone

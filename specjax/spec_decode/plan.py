@@ -28,6 +28,9 @@ class RowCaps:
     place (the batch is draining): a step is then worth how much it shortens the drain, not its tokens."""
     row_sampled: list[bool] | None = None
     """[R]: the row samples (None: every row as ``sampled``)."""
+    open_caps: list[int] | None = None
+    """[R]: ``caps`` were all the row's draft positions ready; given for a proposer that chains its drafts ahead
+    (it made only as many as the last plan asked for: see :attr:`Decision.ahead`), else None."""
 
 
 @dataclasses.dataclass
@@ -43,6 +46,9 @@ class Decision:
     hold: int = 0
     """The next this-many decoding steps of the same rows may run this decision without planning
     (:meth:`SpeculationController.held_step`): ``replan_every`` without drafts, ``draft_replan_every`` with."""
+    ahead: int = 1
+    """Drafts a proposer with chained drafts makes in this step for the rows' next one (each costs a proposer
+    forward): the most it may then verify. ``max(k, 1)``, more where the rows' ``open_caps`` would draft more."""
     held: tuple[int, np.ndarray] | None = None
     """(K, int32 caps [R]) the held steps run, where not this step's: one row whose host lookup found nothing
     holds the plan a hit would have made (each held step verifies what its lookup finds)."""
