@@ -545,17 +545,40 @@ class Engine:
         packed = self.runner.run(batch)[:n]  # the step's one host fetch
         finished = self._commit(rows, packed, num_drafts, k, ahead)
         elapsed = time.perf_counter() - start_time
+        switched, self._last_kind = self._last_kind != (bucket, detached), (bucket, detached)
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
             self.controller.costs.observe((bucket[0], k, detached, sampled), time.perf_counter() - run_start,
-                                          switched=self._last_kind != (bucket, detached))
+                                          switched=switched)
             if not detached:
                 self.controller.costs.observe_planning((bucket[0], sampled), run_start - plan_start,
                                                        full=self._planned)
-        self._last_kind = bucket, detached
+                if not finished and self.controller.shadow_due(bucket[0], sampled):
+                    self._shadow_step(rows, slots, bucket[0], sampled)
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         return finished
+
+    def _shadow_step(self, rows, slots: np.ndarray, num_rows: int, sampled: bool) -> None:
+        """Time the target alone on ``rows`` (just decoded; ``num_rows`` their row bucket) for the controller,
+        twice (the first runs cold, see ``CostModel``), in steps that write nothing: each row re-reads its context
+        up to its last computed token, with no KV slot and no persistent slot (as padding rows have), and the
+        output is dropped (``ControllerConfig.shadow_band``). It leaves out the commit a real step does."""
+        n = len(rows)
+        starts = np.asarray([r.request.num_computed_tokens - 1 for r in rows], np.int64)
+        outputs = np.asarray([len(r.request.output_token_ids) for r in rows], np.int64)
+        bucket = (num_rows, self._decode_length, 0)
+        for switched in (True, False):
+            start = time.perf_counter()
+            batch = self.runner.host_batch(bucket)
+            self.scheduler.slots.fill(batch, slots, starts, np.ones(n, np.int64), outputs)
+            batch.slots[:n] = -1
+            batch.slot_mapping[:n] = -1
+            batch.next_token[:n] = -1  # (it samples, as a decoding row does)
+            self.runner.run(batch)  # no row attached: the detached executable
+            self.controller.costs.observe((num_rows, 0, True, sampled), time.perf_counter() - start,
+                                          switched=switched)
+        self._last_kind = bucket, True
 
     def _commit(self, rows, packed: np.ndarray, num_drafts: np.ndarray, k: int, ahead: int) -> list[Request]:
         finished = []

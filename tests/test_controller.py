@@ -257,6 +257,40 @@ def test_an_explored_neighbour_runs_two_steps_so_the_second_is_timed_in_a_run():
     assert chosen.k == K and chosen.hold == ControllerConfig().draft_replan_every - 1
 
 
+def test_the_target_alone_is_timed_in_a_shadow_step_only_while_its_cost_is_a_guess_that_could_matter():
+    c = _controller({}, can_detach=True, cost_max_age=8)
+    for k in range(K + 1):  # warmup: drafting looks 1.2x the target alone at best, which never ran for real
+        c.costs.observe((1, k, False, False), 2.0 + 0.5 * k, warmup=True)
+    c.costs.observe((1, 0, True, False), 2.0, warmup=True)
+    _teach(c, "a", 0.5)
+    d = _decide(c, 1, ["a"], [False], [K], [True])
+    assert d.k >= 1 and not d.detached and c.shadow_due(1, False)
+    assert not c.shadow_due(1, True) and not c.shadow_due(8, False)  # (another bucket than the plan's)
+    c.costs.observe((1, 0, True, False), 1.0)  # the shadow step's time: now measured
+    c.costs.observe((1, 1, False, False), 2.5)
+    _decide(c, 1, ["a"], [False], [K], [True])
+    assert not c.shadow_due(1, False)
+    for _ in range(8):  # ... until its measurement expires
+        c.costs.observe((1, 1, False, False), 2.5)
+    assert c.costs.age((1, 0, True, False)) >= 8
+    d = _decide(c, 1, ["a"], [False], [K], [True])
+    assert not d.detached and c.shadow_due(1, False)
+    # Drafting far ahead of the target alone (every draft accepted): no shadow; nor with shadow_band = 0.
+    sure = _controller({}, can_detach=True, cost_max_age=8)
+    for k in range(K + 1):
+        sure.costs.observe((1, k, False, False), 1.0 + 0.01 * k, warmup=True)
+    sure.costs.observe((1, 0, True, False), 1.0, warmup=True)
+    _teach(sure, "a", 1.0)
+    assert _decide(sure, 1, ["a"], [False], [K], [True]).k >= K - 1 and not sure.shadow_due(1, False)
+    off = _controller({}, can_detach=True, shadow_band=0.0)
+    for k in range(K + 1):
+        off.costs.observe((1, k, False, False), 2.0 + 0.5 * k, warmup=True)
+    off.costs.observe((1, 0, True, False), 2.0, warmup=True)
+    _teach(off, "a", 0.5)
+    _decide(off, 1, ["a"], [False], [K], [True])
+    assert not off.shadow_due(1, False)
+
+
 def test_a_chained_proposer_drafts_ahead_only_what_the_next_plan_may_verify():
     def plan(c, ready):  # the row has ``ready`` drafts made ahead; K could have been made
         return c.decide(1, c.row_caps(["a"], [False], np.asarray([ready]), np.asarray([True]), open_limits=[K]))
@@ -715,6 +749,36 @@ def test_an_unlearned_method_drafts_to_learn_and_never_prefills_detached(target_
     assert not c._learning_k(4, 4, np.full(4, 2), False) and m["num_detached_steps"] > 0
     llm.generate(_prompts(6, [7]), specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert llm.get_metrics()["num_detached_prefills"] > 0  # the next greedy request is not followed at all
+
+
+def test_shadow_steps_change_no_output_and_time_the_target_alone(target_dir, draft_dir):
+    spec = {"model": str(draft_dir), "num_speculative_tokens": 2}
+    llms = [specjax.LLM(target_dir, speculative_config=spec, warmup=False, **KW) for _ in range(2)]
+    shadows = []
+    for llm, every_step in zip(llms, (True, False)):
+        c = llm.engine.controller
+        for rows in (1, 2, 4):  # drafting pays (K = 2 at 1.2x a plain step), decisions fixed
+            for sampled in (False, True):
+                for k in range(3):
+                    c.costs.set((rows, k, False, sampled), 1.0 + 0.1 * k)
+                c.costs.set((rows, 0, True, sampled), 1.0)
+        _learned(c)
+        c.costs.frozen = True
+        c.shadow_due = lambda *a, every_step=every_step: every_step
+        real = llm.engine._shadow_step
+        llm.engine._shadow_step = lambda *a, real=real: (shadows.append(a[2]), real(*a))
+    prompts = _prompts(4, [6, 13, 9])
+    for params in (specjax.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                   specjax.SamplingParams(temperature=0.9, top_k=8, max_tokens=16, ignore_eos=True, seed=5,
+                                          presence_penalty=0.5, frequency_penalty=0.3)):
+        with_shadows, without = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in llms)
+        assert with_shadows == without
+    assert len(shadows) > 10 and llms[0].get_metrics()["num_draft_tokens"] > 0
+    # Unfrozen, a shadow step's time is the target alone's real measurement in the step's bucket.
+    c = llms[0].engine.controller
+    c.costs.frozen = False
+    llms[0].generate(prompts[:1], specjax.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert c.costs.seen((1, 0, True, False)) and c.costs.age((1, 0, True, False)) == 0
 
 
 def test_detached_steps_keep_greedy_output_and_stop_drafting_for_stale_rows(target_dir, draft_dir):

@@ -76,6 +76,8 @@ class SpeculationController:
         self._detached_prefill_votes = 0  # requests whose prefill the controller chose detached (see explore_every)
         self._learned_from = {False: set(), True: set()}  # sampled -> requests with LEARN_DRAFTS_PER_REQUEST
         # drafts verified (up to learn_requests of them)
+        self._last_rates: tuple[tuple[int, bool], float, float] | None = None  # the last attached plan's (rows,
+        # sampled), the tokens per second of the kind it chose and of a detached step (see shadow_due)
 
     # ------------------------------------------------------------------ estimates
 
@@ -230,6 +232,11 @@ class SpeculationController:
             else:
                 self._idle_steps[rid] = self._idle_steps.get(rid, 0) + 1
         self.count_step(k, detached)
+        chosen_rate = attached_rate  # (tokens a step as _plan_rates counts them)
+        if k and not math.isnan(gains[k]):
+            chosen_rate = ((n if plan.remaining is None else 1) + gains[k]) / self.costs.estimate(
+                rows, k, False, plan.sampled)
+        self._last_rates = None if detached else ((rows, plan.sampled), chosen_rate, detached_rate)
         ahead = self._ahead(rows, plan, k, cap_row) if not detached else 1
         hold, held = 0, None
         # One row's host lookup: a held plan is what a hit would make; its held steps verify what each lookup
@@ -300,6 +307,16 @@ class SpeculationController:
         if k and self._explore(rows, k, open_caps, plan.sampled) == k + 1:
             ahead = max(ahead, k + 1)
         return min(ahead, self.k_max)
+
+    def shadow_due(self, rows: int, sampled: bool) -> bool:
+        """Time the target alone on the rows of the step just run, which the last plan ran attached (a *shadow*
+        step that writes nothing, see ``ControllerConfig.shadow_band``): its cost in this bucket is a scaled
+        warmup guess, and its rate at that guess is within ``shadow_band`` of the chosen kind's. Once timed, not
+        again before the measurement expires (``cost_max_age`` real steps of the bucket without the kind)."""
+        last, band = self._last_rates, self.config.shadow_band
+        if not band or last is None or last[0] != (rows, sampled) or not last[2] or last[1] > band * last[2]:
+            return False
+        return self.costs.age((rows, 0, True, sampled)) >= (self.config.cost_max_age or math.inf)
 
     def _lookup_saved(self, seconds: float) -> None:
         """One plan's :attr:`lookup_saving` (it starts at the first hit: before any, ``min_lookup_hits`` alone

@@ -94,9 +94,17 @@ class ControllerConfig:
     controller's planning costs more than this share of a plain step (ngram at batch 1, T 0.8 on the shipped
     target: a plan with its lookup every 8 steps, ~0.33 ms each in a ~2 ms step, read 0.93-0.97x plain)."""
 
+    shadow_band: float = 1.5
+    """Where the target alone (a detached step) could be chosen but its cost in the bucket is warmup's scaled
+    guess (never timed in a real step, or not for ``cost_max_age`` of them), and the kind a plan chose promises
+    less than this many times its tokens per second, the engine times it on the step's rows right after that
+    step, twice, in a *shadow* step that writes nothing (0 = never). Warmup's all-padding steps and the scale
+    the drafting kinds' real steps put on them had put the target alone 50% above its cost: eagle3 at batch 8
+    greedy on the shipped pair read 3.4 ms where it takes 2.2 and drafted at 0.85x plain."""
+
     def __post_init__(self) -> None:
         for name in ("prior_strength", "max_prior_strength", "min_gain", "min_speedup", "learn_z", "detach_z",
-                     "min_lookup_hits", "max_planning_share"):
+                     "min_lookup_hits", "max_planning_share", "shadow_band"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
