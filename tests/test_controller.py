@@ -111,8 +111,13 @@ def test_drafting_short_of_the_margin_over_the_target_alone_keeps_drafting():
     _teach(c, "a", 0.7)
     plans = [_decide(c, 1, ["a"], [False], [K], [True]) for _ in range(10)]
     assert all(p.k == K and not p.detached for p in plans)
+    # New requests are prefilled attached only where drafting pays by the margin, as drafting starts: an attached
+    # prefill costs the proposer's pass over the prompt, and its steps would then keep drafting at 1.07x.
     plan = c.row_caps(["new"], [False], np.asarray([K]), np.asarray([True]))
-    assert not c.prefers_plain(1, plan, 1)  # new requests follow the same rule: prefilled attached
+    assert c.prefers_plain(1, plan, 1)
+    good = _controller({**costs, **{(1, k, False): 2.3 for k in range(1, K + 1)}}, can_detach=True)
+    _teach(good, "a", 0.7)  # ~2.8 tokens per 2.3 s: 1.2x the target alone
+    assert not good.prefers_plain(1, good.row_caps(["new"], [False], np.asarray([K]), np.asarray([True])), 1)
     poor = _controller(costs, can_detach=True, detach_after=3)
     _teach(poor, "a", 0.5)  # ~1.9 tokens per 2.6 s: the target alone wins outright
     assert poor.prefers_plain(1, poor.row_caps(["new"], [False], np.asarray([K]), np.asarray([True])), 1)

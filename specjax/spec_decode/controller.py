@@ -486,8 +486,13 @@ class SpeculationController:
                                 [plan.remaining[i] for i in like])
             tokens = 1
         draft_k, draft_rate, attached_rate, detached_rate = self._rates(rows, tokens, gains, plan.sampled)
-        if not (self._detach_wins(draft_rate, attached_rate, detached_rate)
-                and not (draft_k and self._no_drafting_measured(rows, plan.sampled))):
+        # Attached only where drafting pays as decide() starts it, by the margin: an attached prefill costs the
+        # proposer's pass over the prompt (and a head's drafts ahead), and once attached, the decoding steps
+        # keep drafting until the target alone wins outright (eagle3 at batch 8 greedy on the shipped pair,
+        # K = 2 estimated as fast as the target alone: loads prefilled attached drafted and took 1.17x the time of
+        # those prefilled detached).
+        pays = draft_k and draft_rate >= self.config.min_speedup * max(attached_rate, detached_rate)
+        if pays or not detached_rate or (draft_k and self._no_drafting_measured(rows, plan.sampled)):
             return False
         # Exploring costs the whole batch (its steps run attached until the vote detaches again): once per
         # explore_every batches' worth of requests.
