@@ -34,7 +34,7 @@ import numpy as np
 
 from models.llama import LlamaConfig, init_params, num_params
 from specjax.config import EngineConfig
-from specjax.engine import StepRunner
+from specjax.runner import StepRunner
 from specjax.parallel.sharding import ShardingPlan, make_mesh
 from specjax.spec_decode.proposer import Proposer
 

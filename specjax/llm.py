@@ -16,7 +16,8 @@ from models.loading import load_blocks, load_model, load_tokenizer, read_generat
 from specjax.buckets import enable_persistent_cache
 from specjax.builtin import DEFAULT_SPEC, DEFAULT_TARGET, resolve_model
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specjax.engine import Engine, StepRunner
+from specjax.engine import Engine
+from specjax.runner import StepRunner
 from specjax.outputs import RequestOutput, StopStrings, banned_token_ids, completion, prompt_logprobs
 from specjax.outputs import CompletionOutput  # noqa: F401  (re-exported)
 from specjax.parallel.sharding import ShardingPlan, make_mesh
