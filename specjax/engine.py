@@ -246,11 +246,11 @@ class Engine:
                 break
         return drafts, found
 
-    def draft_ahead(self, k: int, decoding: bool) -> int:
-        """Drafts a proposer with ``chained_drafts`` makes in a step of K = ``k`` for the rows' next step: all
-        K_max with a fixed K or after a prefill step; under the controller what its plan asked for
-        (:attr:`Decision.ahead`; ``max(k, 1)`` in a step planned at warmup), as each costs a proposer forward (4
-        sampled EAGLE-3 drafts ahead made a batch-1 step without drafts 2.9x a detached one)."""
+    def draft_ahead(self, decoding: bool) -> int:
+        """Drafts a proposer with ``chained_drafts`` makes in this step for the rows' next step: all K_max with a
+        fixed K or in a prefill step; under the controller what its plan asked for (:attr:`Decision.ahead`;
+        warmup times a step of K with ``max(K, 1)``), as each costs a proposer forward (4 sampled EAGLE-3 drafts
+        ahead made a batch-1 step without drafts 2.9x a detached one)."""
         if self.controller is None or not decoding or not self.proposer.chained_drafts:
             return self.k_max
         return self._ahead
@@ -308,7 +308,7 @@ class Engine:
         if host_drafts is not None:
             for i, d in enumerate(host_drafts):
                 batch.host_drafts[i, : num_drafts[i]] = d[: num_drafts[i]]
-        ahead = self.draft_ahead(k, decoding)
+        ahead = self.draft_ahead(decoding)
         if detached:
             table.synced[slots] = False  # the proposer does not see this step's tokens
         else:
