@@ -659,6 +659,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(draft_replan_every=True)
     with pytest.raises(ValueError, match="min_lookup_hits"):
         ControllerConfig(min_lookup_hits=-0.5)
+    with pytest.raises(ValueError, match="shadow_band"):
+        ControllerConfig(shadow_band=float("inf"))
     with pytest.raises(ValueError, match="max_planning_share"):
         ControllerConfig(max_planning_share=-0.1)
     with pytest.raises(ValueError, match="max_prior_strength"):
