@@ -143,9 +143,9 @@ def test_entry_refuses_bad_shapes_and_dtypes():
 
 
 @functools.cache
-def _quantized_case(kind: str, n: int, k: int):
-    """A random [n, k] weight quantized by the gguf package: (its packed panels, the float32 weight the gguf
-    package dequantizes the blocks to)."""
+def _quantized_case(kind: str, n: int, k: int, dot: bool = False):
+    """A random [n, k] weight quantized by the gguf package: (its packed panels, in the layout for int8
+    activations with ``dot``, the float32 weight the gguf package dequantizes the blocks to)."""
     import gguf
 
     from models.gguf_blocks import blocks_from_raw
@@ -154,7 +154,7 @@ def _quantized_case(kind: str, n: int, k: int):
     w = (np.random.default_rng(n + k).standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)
     b = blocks_from_raw(raw, qtype, (n, k))  # Q4_0 arrives as Q4_1 blocks with m = -8 d
-    packed = pm.pack_q4_1(b.q, b.d, b.m) if b.kind == "q4_1" else pm.pack_q8_0(b.q, b.d)
+    packed = pm.pack_q4_1(b.q, b.d, b.m, dot=dot) if b.kind == "q4_1" else pm.pack_q8_0(b.q, b.d, dot=dot)
     return packed, gguf.quants.dequantize(raw, qtype).astype(np.float32)
 
 
@@ -177,6 +177,57 @@ def test_quantized_panels_give_the_float_weights_products_exactly(kind, n, k, m)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_rows_of_quantized_panels_are_the_dequantized_rows(kind):
     packed, w = _quantized_case(kind, 4096, 320)
+    idx = jnp.asarray([[0, 1, 4095, 2051], [-5, 7, 9000, 31]], jnp.int32)
+    got = np.asarray(jax.jit(pm.rows)(jnp.asarray(packed), idx))
+    np.testing.assert_array_equal(got, w[np.clip(np.asarray(idx), 0, 4095)])
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_0"])
+@pytest.mark.parametrize("n,k", SMOLLM2 + [(70, 64)])
+@pytest.mark.parametrize("m", [1, 5, 9, 40, 64])  # 64 rows of K = 1536: quantized on the thread pool
+def test_int8_activation_products_match_their_reference(kind, n, k, m):
+    """Panels in the layout for int8 activations hold the same blocks (the gguf package's weights); the kernel's
+    products are the numpy reference's arithmetic (x quantized per block of 32, integer sums, float scales) up to
+    float32 rounding, and within a few per cent of the exact float product (the quantization of x)."""
+    packed, w = _quantized_case(kind, n, k, dot=True)
+    assert packed.dtype == (np.int32 if kind == "q8_0" else np.uint32)
+    assert pm.panel_shape(packed) == (-(-n // pm.panel_width()), k, pm.panel_width())
+    np.testing.assert_array_equal(pm.dequantize(packed, n), w)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(jax.jit(pm.panel_matmul, static_argnums=2)(jnp.asarray(x), jnp.asarray(packed), n))
+    ref = pm.dot_reference(x, packed, n)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(y - exact).max() < 0.03 * np.abs(exact).max()
+
+
+def test_int8_activation_rows_do_not_depend_on_the_other_rows():
+    """Each row is quantized alone and summed in integers: a row of a 9-row call (a verify) equals the 1-row call
+    on it (a plain step) bit for bit, which keeps speculation exact for a model run this way."""
+    for kind in ("q4_1", "q8_0"):
+        packed, _ = _quantized_case(kind, 3072, 576, dot=True)
+        x = jnp.asarray(np.random.default_rng(3).standard_normal((9, 576)).astype(np.float32))
+        many = np.asarray(pm.panel_matmul(x, jnp.asarray(packed), 3072))
+        for i in (0, 4, 8):
+            one = pm.panel_matmul(x[i:i + 1], jnp.asarray(packed), 3072)
+            np.testing.assert_array_equal(many[i], np.asarray(one)[0])
+
+
+def test_quantize_rows_on_a_vector_worked_by_hand():
+    """Block max 127 gives scale 1: q rounds x to nearest, ties to even; a zero block gives q 0, scale 0; a block
+    with max 2 multiplies x by 63.5 (all values below exact in binary)."""
+    x = np.zeros((1, 96), np.float32)
+    x[0, :6] = [127, -63.5, 0.5, -0.5, 2.4, 1.49]
+    x[0, 64:68] = [-2, 1, -0.5, 0.25]  # x 63.5 = -127, 63.5, -31.75, 15.875
+    q, dx = pm.quantize_rows(x)
+    assert q[0, :6].tolist() == [127, -64, 0, 0, 2, 1] and not q[0, 6:64].any()
+    assert q[0, 64:68].tolist() == [-127, 64, -32, 16] and not q[0, 68:].any()
+    np.testing.assert_allclose(dx[0], [1, 0, 2 / 127], rtol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_rows_of_int8_activation_panels_are_the_dequantized_rows(kind):
+    packed, w = _quantized_case(kind, 4096, 320, dot=True)
     idx = jnp.asarray([[0, 1, 4095, 2051], [-5, 7, 9000, 31]], jnp.int32)
     got = np.asarray(jax.jit(pm.rows)(jnp.asarray(packed), idx))
     np.testing.assert_array_equal(got, w[np.clip(np.asarray(idx), 0, 4095)])

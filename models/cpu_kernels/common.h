@@ -80,6 +80,28 @@ SPECJAX_INLINE ivec LoadBytes(const B* p) {
 #endif
 }
 
+// kLanes 32-bit words (4 bytes each) from p.
+SPECJAX_INLINE uvec LoadWords(const uint8_t* p) {
+  uvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// acc + the sums over each lane's 4 bytes of u's unsigned byte times x4's signed byte (x4: 4 int8 in one word,
+// the same for every lane): VNNI's vpdpbusd where the machine has it (no saturation: int32 sums), else the same
+// arithmetic in generic vector code.
+SPECJAX_INLINE ivec DotBytes(ivec acc, uvec u, int32_t x4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return (ivec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_set1_epi32(x4));
+#elif defined(__AVXVNNI__) && defined(__AVX__) && !defined(__AVX512F__)
+  return (ivec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, _mm256_set1_epi32(x4));
+#else
+  for (int b = 0; b < 4; ++b)
+    acc += (ivec)((u >> (8 * b)) & 255u) * static_cast<int32_t>(static_cast<int8_t>(x4 >> (8 * b)));
+  return acc;
+#endif
+}
+
 // float16 bits -> float32 (exact; every float16 is a float32).
 SPECJAX_INLINE float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
