@@ -108,27 +108,30 @@ class QuantizedMatrix:
         return dataclasses.replace(self, q=fn(self.q), d=fn(self.d), m=None if self.m is None else fn(self.m))
 
 
-def quantized_panels(parts: list[QuantizedMatrix], mats: list[Any]) -> Optional[np.ndarray]:
+def quantized_panels(parts: list[QuantizedMatrix], mats: list[Any], *, dot: bool = False) -> Optional[np.ndarray]:
     """Quantized panels of ``parts`` stacked, if they are one kind and dequantize exactly to ``mats`` (the float
-    params, output-major); else None (the caller packs the floats)."""
+    params, output-major); else None (the caller packs the floats). ``dot``: in the layout the kernel multiplies
+    with int8-quantized activations (``panel_matmul.DOT_DTYPES``)."""
     if len({p.kind for p in parts}) != 1:
         return None
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
     want, q, d = cat([np.asarray(m) for m in mats]), cat([p.q for p in parts]), cat([p.d for p in parts])
     packed = None
     if want.dtype == np.float32 and q.shape == want.shape:
-        packed = _pm.pack_q4_1(q, d, cat([p.m for p in parts])) if parts[0].kind == "q4_1" else _pm.pack_q8_0(q, d)
+        packed = (_pm.pack_q4_1(q, d, cat([p.m for p in parts]), dot=dot) if parts[0].kind == "q4_1"
+                  else _pm.pack_q8_0(q, d, dot=dot))
     if packed is None or not np.array_equal(_pm.dequantize(packed, len(want)), want):
         logger.info("GGUF blocks do not give the params' values (%s); packing the float weights", want.dtype)
         return None
     return packed
 
 
-def panels(*mats: Any, quantized: Optional[list[Optional[QuantizedMatrix]]] = None) -> jax.Array:
+def panels(*mats: Any, quantized: Optional[list[Optional[QuantizedMatrix]]] = None, dot: bool = False) -> jax.Array:
     """Output-major ``[N_i, K]`` matrices stacked -> panels ``[P, K, C]`` (:func:`narrowed` storage), or quantized
-    panels where every matrix has its GGUF blocks in ``quantized`` and they give its exact values."""
+    panels where every matrix has its GGUF blocks in ``quantized`` and they give its exact values (``dot``:
+    :func:`quantized_panels`)."""
     if quantized is not None and KEEP_GGUF_BLOCKS and all(b is not None for b in quantized):
-        packed = quantized_panels(list(quantized), list(mats))
+        packed = quantized_panels(list(quantized), list(mats), dot=dot)
         if packed is not None:
             return jax.numpy.asarray(packed)
     return jax.numpy.asarray(_pm.pack(narrowed(np.concatenate([np.asarray(m) for m in mats], axis=0))))
@@ -144,10 +147,10 @@ def _blocks(quantized: Optional[Mapping[str, QuantizedMatrix]], key: str) -> Opt
 
 
 def layer_to_cpu_layout(sub: Mapping[str, Any], *, quantized: Optional[Mapping[str, QuantizedMatrix]] = None,
-                        prefix: str = "") -> dict:
+                        prefix: str = "", int8_activations: bool = False) -> dict:
     """One decoder layer's params (``models.llama.DecoderLayer`` names, also a draft head's layer) -> the
     derived layout: q/k/v fused (+ their biases), o_proj, gate/up fused, down_proj as panels; the rest kept.
-    ``quantized``: GGUF blocks by ``prefix + "self_attn/q_proj"`` etc. (:func:`to_cpu_layout`)."""
+    ``quantized``, ``int8_activations``: GGUF blocks by ``prefix + "self_attn/q_proj"`` etc. (:func:`to_cpu_layout`)."""
     attn = sub["self_attn"]
 
     def mat(entry, in_dims: int = 1) -> np.ndarray:  # a kernel [in..., out...] -> [out, in]
@@ -155,7 +158,8 @@ def layer_to_cpu_layout(sub: Mapping[str, Any], *, quantized: Optional[Mapping[s
 
     def packed(group: str, names: tuple[str, ...], in_dims: int = 1) -> jax.Array:
         mats = [mat(sub[group][n], in_dims) for n in names]
-        return panels(*mats, quantized=[_blocks(quantized, f"{prefix}{group}/{n}") for n in names])
+        return panels(*mats, quantized=[_blocks(quantized, f"{prefix}{group}/{n}") for n in names],
+                      dot=int8_activations)
 
     qkv = {"kernel_p": packed("self_attn", ("q_proj", "k_proj", "v_proj"))}
     if "bias" in attn["q_proj"]:
@@ -171,12 +175,14 @@ def layer_to_cpu_layout(sub: Mapping[str, Any], *, quantized: Optional[Mapping[s
 
 
 def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig, *,
-                  quantized: Optional[Mapping[str, QuantizedMatrix]] = None) -> dict:
+                  quantized: Optional[Mapping[str, QuantizedMatrix]] = None, int8_activations: bool = False) -> dict:
     """The derived CPU layout (module docstring) of a checkpoint-layout param tree.
 
     ``quantized``: the matrices' GGUF blocks by checkpoint path (``"layers_0/self_attn/q_proj"``, ...,
     ``"embed_tokens"``, ``"lm_head"``; ``models.gguf_blocks.gguf_blocks``): a projection whose blocks all dequantize
     exactly to its params is packed as quantized panels (module docstring), others as float panels.
+    ``int8_activations``: those quantized panels in the layout the kernel multiplies with int8-quantized
+    activations, as llama.cpp does (faster; logits approximate the float product's; ``panel_matmul.DOT_DTYPES``).
 
     Norms, biases and an untied embedding are kept; panels are :func:`narrowed`. :func:`models.llama.forward`,
     ``lm_head_logits`` and ``DecoderLayer`` run either layout and give the same logits up to float rounding.
@@ -187,17 +193,24 @@ def to_cpu_layout(params: Mapping[str, Any], config: LlamaConfig, *,
     if is_cpu_layout(params):
         raise ValueError("params are already in the CPU layout")
     out: dict[str, Any] = {
-        name: layer_to_cpu_layout(sub, quantized=quantized, prefix=f"{name}/") if name.startswith("layers_") else sub
+        name: layer_to_cpu_layout(sub, quantized=quantized, prefix=f"{name}/", int8_activations=int8_activations)
+        if name.startswith("layers_") else sub
         for name, sub in params.items()}
     if "lm_head" in params:
         out["lm_head"] = {"kernel_p": panels(output_major(params["lm_head"]["kernel"], d),
-                                             quantized=[_blocks(quantized, "lm_head")])}
+                                             quantized=[_blocks(quantized, "lm_head")], dot=int8_activations)}
     elif config.tie_word_embeddings:  # one copy: the panels serve the lookups and the head
         out["embed_tokens"] = {"embedding_p": panels(params["embed_tokens"]["embedding"],
-                                                     quantized=[_blocks(quantized, "embed_tokens")])}
+                                                     quantized=[_blocks(quantized, "embed_tokens")],
+                                                     dot=int8_activations)}
     return out
 
 
 def is_cpu_layout(params: Mapping[str, Any]) -> bool:
     """Whether ``params`` is in the derived CPU layout of :func:`to_cpu_layout`."""
     return "qkv_proj" in params.get("layers_0", {}).get("self_attn", {})
+
+
+def has_int8_activations(params: Mapping[str, Any]) -> bool:
+    """Whether any panels in ``params`` run with int8 activations (:func:`to_cpu_layout`'s ``int8_activations``)."""
+    return any(_pm.is_dot(leaf) for leaf in jax.tree.leaves(params) if hasattr(leaf, "dtype"))

@@ -12,6 +12,10 @@ import time
 logger = logging.getLogger("specjax")
 
 
+INT8_ACTIVATIONS_HELP = ("a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks multiply int8-quantized activations on the CPU "
+                         "(llama.cpp's arithmetic: faster where the CPU has VNNI, logits approximate)")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory, GGUF file or builtin:<name>; default: builtin:smollm2 "
@@ -21,6 +25,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="devices the model is split over")
+    p.add_argument("--int8-activations", action="store_true", help=INT8_ACTIVATIONS_HELP)
     _add_speculative_args(p)
     p.add_argument("--no-warmup", action="store_true", help="compile buckets lazily instead of up front")
 
@@ -115,7 +120,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = specjax.LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=min(args.max_num_seqs, len(prompts)), tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed, warmup=False,
+        seed=args.seed, warmup=False, int8_activations=args.int8_activations,
         speculative_config=speculative_config_from_args(args, _builtin_spec() if args.model is None else None),
     )
     if args.chat:
@@ -196,7 +201,7 @@ def _time_plain(args: argparse.Namespace, spec_llm, prompts: list, params, spec_
     plain = specjax.LLM(
         spec_llm.model_path, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=spec_llm.engine_config.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed, warmup=False,
+        seed=args.seed, warmup=False, int8_activations=args.int8_activations,
     )
     if not args.no_warmup:
         plain.warmup(prompts)
@@ -223,7 +228,8 @@ def _json_object(text: str):
 # batch flags that override the YAML config's LLM arguments when given (flag dest -> LLM keyword).
 _BATCH_LLM_FLAGS = {"model": "model", "dtype": "dtype", "max_model_len": "max_model_len",
                     "max_num_seqs": "max_num_seqs", "seed": "seed",
-                    "tensor_parallel_size": "tensor_parallel_size", "data_parallel_size": "data_parallel_size"}
+                    "tensor_parallel_size": "tensor_parallel_size", "data_parallel_size": "data_parallel_size",
+                    "int8_activations": "int8_activations"}
 
 
 def batch_llm_kwargs(args: argparse.Namespace) -> dict:
@@ -319,6 +325,7 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, help="tp devices per process")
     p.add_argument("--data-parallel-size", "--dp", type=int, default=None, help="dp groups per process")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--int8-activations", action="store_const", const=True, default=None, help=INT8_ACTIVATIONS_HELP)
     p.add_argument("--seed", type=int, default=None, help="LLM seed (also seeds lines without a seed)")
     p.add_argument("--no-warmup", action="store_true", help="compile buckets lazily instead of up front")
     p.add_argument("--chunk-size", type=int, default=None,

@@ -35,15 +35,18 @@ class StepRunner:
     def __init__(
         self, model_config: LlamaConfig, params, proposer: Proposer, engine_config: EngineConfig, *,
         spec: SpeculativeConfig | None, kv_dtype, plan: ShardingPlan, profile: bool = False, quantized=None,
+        int8_activations: bool = False,
     ):
         """``profile``: also build each step's four phases as separate executables, run steps through them with a
         sync after each, timing draft (propose + update), verify and sample; slower, for measurement only (their
-        compiles are not counted). ``quantized``: the model file's GGUF blocks, for ``ShardingPlan.layout``."""
+        compiles are not counted). ``quantized``, ``int8_activations``: the model file's GGUF blocks and how the CPU
+        kernels multiply them (``ShardingPlan.layout``)."""
         self.model_config = model_config
         self.engine_config = engine_config
         self.plan = plan
         self.proposer = proposer
-        params = plan.layout(params, model_config, quantized=quantized)  # a copy when converted
+        params = plan.layout(params, model_config, quantized=quantized,  # a copy when converted
+                             int8_activations=int8_activations)
         self.cpu_weight_layout = is_cpu_layout(params)
         """The target runs in ``models.llama.to_cpu_layout`` (chosen by ``specjax.backends``)."""
         target_shardings = plan.params(params, model_config)

@@ -72,6 +72,10 @@ def test_one_field_flags_adjust_the_config_in_use(tmp_path):
     assert kwargs("--config", str(cfg))["speculative_config"]["num_speculative_tokens"] == 4  # no flag: as written
     with pytest.raises(ValueError, match="needs a speculative method"):
         kwargs("--model", "m", "--num-speculative-tokens", "2")
+    # --int8-activations reaches LLM's int8_activations; unset, the config's value (or LLM's default) stands.
+    assert kwargs("--config", str(cfg), "--int8-activations")["int8_activations"] is True
+    assert "int8_activations" not in kwargs("--config", str(cfg))
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--int8-activations"]).int8_activations is True
 
 
 def test_cli_reports_flag_errors_without_a_traceback(tmp_path, capsys):

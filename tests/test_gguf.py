@@ -49,6 +49,7 @@ from models.loading import (  # noqa: E402
     read_chat_template,
     read_generation_eos,
 )
+import specjax  # noqa: E402
 from specjax.kv_cache import AttentionMetadata, KVCache  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -306,6 +307,47 @@ def test_cpu_layout_keeps_q4_1_and_q8_0_blocks_with_the_float_models_logits(name
         config, params = load_model(path, dtype="bfloat16")
         bf16 = to_cpu_layout(params, config, quantized=load_blocks(path))
         assert bf16["layers_0"]["mlp"]["gate_up_proj"]["kernel_p"].dtype == jnp.bfloat16
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels_available(), reason="the C++ CPU kernels")
+@pytest.mark.parametrize("name,qtype,kernel_dtype", [("llama_gqa", Q.Q4_1, np.uint32),
+                                                     ("llama_tied_mqa", Q.Q8_0, np.int32)])
+def test_int8_activations_approximate_the_logits_and_keep_speculation_exact(name, qtype, kernel_dtype, tiny_dirs,
+                                                                            tmp_path):
+    """``int8_activations``: the file's blocks in the layout for int8 activations, logits near (not equal to) the
+    float product's; an LLM run that way gives the same greedy tokens with drafts verified as without."""
+    path = write_gguf(tmp_path / "m.gguf", tiny_dirs[name], qtype=qtype)
+    config, params = load_model(path)
+    int8 = to_cpu_layout(params, config, quantized=load_blocks(path), int8_activations=True)
+    assert int8["layers_1"]["mlp"]["down_proj"]["kernel_p"].dtype == kernel_dtype
+    ours = prefill_logits(config, int8, PROMPT)
+    exact = prefill_logits(config, to_cpu_layout(params, config, quantized=load_blocks(path)), PROMPT)
+    assert not np.array_equal(ours, exact)
+    # An approximation (random tiny models: 4-6% of the logits' norm); wrong scales or blocks would be ~100%.
+    assert np.linalg.norm(ours - exact) < 0.1 * np.linalg.norm(exact)
+    kw = dict(warmup=False, max_model_len=64, max_num_seqs=4, block_size=8, max_prefill_chunk=16)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:5]}]
+    params_ = specjax.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in specjax.LLM(str(path), int8_activations=True, **kw).generate(
+        prompts, params_)]
+    # The draft is the same file run without int8 activations: mostly right, so verify steps accept several.
+    spec = specjax.LLM(str(path), int8_activations=True, speculative_config={
+        "model": str(path), "num_speculative_tokens": 4, "adaptive": False}, **kw)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params_)] == plain
+    assert spec.get_metrics()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels_available(), reason="the C++ CPU kernels")
+def test_int8_activations_are_refused_where_they_cannot_apply(tiny_dirs, tmp_path):
+    kw = dict(warmup=False, max_model_len=64, max_num_seqs=2, block_size=8)
+    with pytest.raises(ValueError, match="int8_activations=True needs a GGUF model file"):
+        specjax.LLM(str(tiny_dirs["llama_gqa"]), int8_activations=True, **kw)
+    f32 = write_gguf(tmp_path / "f32.gguf", tiny_dirs["llama_gqa"])  # no quantized blocks at all
+    with pytest.raises(ValueError, match="int8_activations=True"):
+        specjax.LLM(str(f32), int8_activations=True, **kw)
+    q5 = write_gguf(tmp_path / "q5.gguf", tiny_dirs["llama_gqa"], qtype=Q.Q5_0)  # blocks the kernels do not read
+    with pytest.raises(ValueError, match="int8_activations=True"):
+        specjax.LLM(str(q5), int8_activations=True, **kw)
 
 
 def test_bfloat16_dtype(tiny_dirs, tmp_path):

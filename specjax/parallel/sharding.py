@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.cpu_layout import is_cpu_layout, to_cpu_layout
+from models.cpu_layout import has_int8_activations, is_cpu_layout, to_cpu_layout
 from models.llama import LlamaConfig
 from specjax.backends import use_cpu_weight_layout
 
@@ -131,6 +131,17 @@ def kv_partition_spec(config: LlamaConfig, *, tp: int) -> P:
     return P(None, _split(config.num_key_value_heads, tp), None)
 
 
+def check_int8_activations(mesh: Mesh, quantized: Any) -> None:
+    """ValueError naming ``int8_activations`` unless it can apply: the CPU kernels' weight layout on this mesh and
+    a model file with GGUF blocks (``models.loading.load_blocks``)."""
+    if not use_cpu_weight_layout(mesh.devices.flat):
+        raise ValueError("int8_activations=True needs the CPU kernels' weight layout (one CPU device with the "
+                         "kernels built; specjax.backends.use_cpu_weight_layout), which this mesh does not run")
+    if not quantized:
+        raise ValueError("int8_activations=True needs a GGUF model file with Q4_0, Q4_1 or Q8_0 blocks; "
+                         "this model has none")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
     """Shardings of one model (target or draft) on the engine's mesh."""
@@ -153,12 +164,18 @@ class ShardingPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def layout(self, params: Any, config: LlamaConfig, *, quantized: Any = None) -> Any:
+    def layout(self, params: Any, config: LlamaConfig, *, quantized: Any = None, int8_activations: bool = False) -> Any:
         """``params`` in the layout this plan runs them in: ``models.cpu_layout``'s on a one-CPU-device mesh
         (``specjax.backends.use_cpu_weight_layout``), else as given. Converting copies the weights.
-        ``quantized``: the model file's GGUF blocks (``models.loading.load_blocks``), kept where exact."""
+        ``quantized``: the model file's GGUF blocks (``models.loading.load_blocks``), kept where exact;
+        ``int8_activations``: in the layout for int8 activations (:func:`check_int8_activations` first)."""
+        if int8_activations:
+            check_int8_activations(self.mesh, quantized)
         if use_cpu_weight_layout(self.mesh.devices.flat) and not is_cpu_layout(params):
-            return to_cpu_layout(params, config, quantized=quantized)
+            params = to_cpu_layout(params, config, quantized=quantized, int8_activations=int8_activations)
+        if int8_activations and not has_int8_activations(params):
+            raise ValueError("int8_activations=True: none of the model file's quantized blocks gives its weights "
+                             "exactly, so no projection would run with int8 activations")
         return params
 
     def params(self, params: Any, config: LlamaConfig) -> Any:
