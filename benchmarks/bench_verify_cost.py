@@ -19,7 +19,10 @@ Two variants of the same weights, side by side in one process:
   that a model in that layout calls: what the engine runs on one CPU device;
 * ``blocks`` (smollm2 only): the CPU layout with the GGUF file's Q4_1 / Q8_0 blocks kept as quantized panels
   (``to_cpu_layout(..., quantized=models.loading.load_blocks(path))``), what the engine runs for a GGUF model
-  since the sixteenth session; same logits as ``after``, bit for bit.
+  since the sixteenth session; same logits as ``after``, bit for bit;
+* ``int8`` (smollm2 only): the same blocks in the layout for integer dot products, multiplied with activations
+  quantized to int8 per block of 32 (``to_cpu_layout(..., int8_activations=True)``, what
+  ``LLM(int8_activations=True)`` runs; llama.cpp's arithmetic for these blocks; logits approximate).
 
 Models: ``target`` (the shipped builtin:target, 7.5M params), ``random30m``
 (random Llama, 30M params, untied head), ``smollm2`` (SmolLM2-135M-Instruct,
@@ -76,6 +79,7 @@ from specjax.xla_options import compiler_options  # noqa: E402
 
 BLOCK_SIZE = 16
 VARIANTS = ("before", "after")
+ALL_VARIANTS = ("before", "after", "blocks", "int8")
 
 
 # --------------------------------------------------------------------------- models
@@ -178,17 +182,21 @@ def make_step(config: LlamaConfig, t: int):
     return step
 
 
-def layouts_of(name: str, config: LlamaConfig, params) -> dict:
-    """``before`` / ``after`` (module docstring) and, for smollm2, ``blocks``."""
-    layouts = {"before": params, "after": to_cpu_layout(params, config)}
+def layouts_of(name: str, config: LlamaConfig, params, variants: tuple[str, ...] = ALL_VARIANTS) -> dict:
+    """The ``variants`` (module docstring) of this model: ``before`` / ``after`` and, for smollm2, ``blocks`` and
+    ``int8``."""
+    make = {"before": lambda: params, "after": lambda: to_cpu_layout(params, config)}
     if name == "smollm2":  # what the engine runs: the file's Q4_1 / Q8_0 blocks as quantized panels
-        layouts["blocks"] = to_cpu_layout(params, config, quantized=load_blocks(smollm2_gguf()))
-    return layouts
+        make["blocks"] = lambda: to_cpu_layout(params, config, quantized=load_blocks(smollm2_gguf()))
+        make["int8"] = lambda: to_cpu_layout(params, config, quantized=load_blocks(smollm2_gguf()),
+                                             int8_activations=True)
+    return {v: make[v]() for v in variants if v in make}
 
 
-def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps: int, inner: int) -> dict:
+def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps: int, inner: int,
+                variants: tuple[str, ...] = ALL_VARIANTS) -> dict:
     config, params, source = load(name)
-    layouts = layouts_of(name, config, params)
+    layouts = layouts_of(name, config, params, variants)
     result = {"source": source, "num_params": num_params(params), "weight_mb": round(param_bytes(params) / 2**20, 1),
               "config": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                                             "num_hidden_layers", "num_attention_heads",
@@ -222,18 +230,13 @@ def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps
                 per_k[str(k)] = {**m, "ratio_wall": round(m["wall_ms"] / one["wall_ms"], 3),
                                  "ratio_cpu": round(m["cpu_ms"] / one["cpu_ms"], 3)}
             rows[variant] = {"T1": one, "K": per_k}
-        rows["after_vs_before"] = {
-            "T1_wall": round(rows["after"]["T1"]["wall_ms"] / rows["before"]["T1"]["wall_ms"], 3),
-            "T1_cpu": round(rows["after"]["T1"]["cpu_ms"] / rows["before"]["T1"]["cpu_ms"], 3),
-            **{f"K{k}_wall": round(rows["after"]["K"][str(k)]["wall_ms"] / rows["before"]["K"][str(k)]["wall_ms"], 3)
-               for k in ks},
-        }
-        if "blocks" in rows:
-            blocks, after = rows["blocks"], rows["after"]
-            rows["blocks_vs_after"] = {
-                "T1_wall": round(blocks["T1"]["wall_ms"] / after["T1"]["wall_ms"], 3),
-                **{f"K{k}_wall": round(blocks["K"][str(k)]["wall_ms"] / after["K"][str(k)]["wall_ms"], 3) for k in ks},
-            }
+        for a, b in (("after", "before"), ("blocks", "after"), ("int8", "blocks")):
+            if a in rows and b in rows:
+                rows[f"{a}_vs_{b}"] = {
+                    "T1_wall": round(rows[a]["T1"]["wall_ms"] / rows[b]["T1"]["wall_ms"], 3),
+                    "T1_cpu": round(rows[a]["T1"]["cpu_ms"] / rows[b]["T1"]["cpu_ms"], 3),
+                    **{f"K{k}_wall": round(rows[a]["K"][str(k)]["wall_ms"] / rows[b]["K"][str(k)]["wall_ms"], 3)
+                       for k in ks}}
         result["batches"][str(batch)] = rows
         for variant in layouts:
             r = rows[variant]
@@ -369,6 +372,8 @@ def main() -> None:
     ap.add_argument("--micro", action="store_true", help="also run the one-matmul microbenchmark")
     ap.add_argument("--micro-ms", type=int, nargs="+", default=[1, 2, 5, 8, 16, 32])
     ap.add_argument("--breakdown", nargs="*", default=[], help="models to split into components (batch 1, T=1 and 5)")
+    ap.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS), choices=ALL_VARIANTS,
+                    help="layouts to time (one per process keeps the others' weights out of the caches)")
     ap.add_argument("--cpus", default=None, help="pin the process to these CPU ids (e.g. 1 or 0,1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -389,7 +394,8 @@ def main() -> None:
                             for name in args.breakdown}
     out["models"] = {}
     for name in args.models:
-        out["models"][name] = bench_model(name, args.ks, args.batches, args.context, args.reps, args.inner)
+        out["models"][name] = bench_model(name, args.ks, args.batches, args.context, args.reps, args.inner,
+                                          tuple(args.variants))
     out["machine"]["load_avg_end"] = os.getloadavg()
     text = json.dumps(out, indent=1)
     if args.out:
