@@ -106,8 +106,10 @@ class LLM:
         # Before loading weights: a bad parallel layout fails fast, naming the field.
         self.mesh = make_mesh(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
         self.model_path = os.fspath(model)
+        if not isinstance(int8_activations, bool):
+            raise ValueError(f"int8_activations must be True or False, got {int8_activations!r}")
         quantized = load_blocks(self.model_path)
-        if int8_activations:
+        if int8_activations:  # before loading weights, as above
             check_int8_activations(self.mesh, quantized)
         self.model_config, params = load_model(self.model_path, dtype=dtype)
         max_pos = self.model_config.max_position_embeddings

@@ -50,6 +50,8 @@ from models.loading import (  # noqa: E402
     read_generation_eos,
 )
 import specjax  # noqa: E402
+import specjax.llm  # noqa: E402
+from specjax.parallel import sharding  # noqa: E402
 from specjax.kv_cache import AttentionMetadata, KVCache  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -338,8 +340,10 @@ def test_int8_activations_approximate_the_logits_and_keep_speculation_exact(name
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels_available(), reason="the C++ CPU kernels")
-def test_int8_activations_are_refused_where_they_cannot_apply(tiny_dirs, tmp_path):
+def test_int8_activations_are_refused_where_they_cannot_apply(tiny_dirs, tmp_path, monkeypatch):
     kw = dict(warmup=False, max_model_len=64, max_num_seqs=2, block_size=8)
+    with pytest.raises(ValueError, match="int8_activations must be True or False"):
+        specjax.LLM(str(tiny_dirs["llama_gqa"]), int8_activations="yes", **kw)
     with pytest.raises(ValueError, match="int8_activations=True needs a GGUF model file"):
         specjax.LLM(str(tiny_dirs["llama_gqa"]), int8_activations=True, **kw)
     f32 = write_gguf(tmp_path / "f32.gguf", tiny_dirs["llama_gqa"])  # no quantized blocks at all
@@ -348,6 +352,12 @@ def test_int8_activations_are_refused_where_they_cannot_apply(tiny_dirs, tmp_pat
     q5 = write_gguf(tmp_path / "q5.gguf", tiny_dirs["llama_gqa"], qtype=Q.Q5_0)  # blocks the kernels do not read
     with pytest.raises(ValueError, match="int8_activations=True"):
         specjax.LLM(str(q5), int8_activations=True, **kw)
+    # Off the CPU layout (several devices, an accelerator, no kernels): refused before the weights load.
+    q41 = write_gguf(tmp_path / "q41.gguf", tiny_dirs["llama_gqa"], qtype=Q.Q4_1)
+    monkeypatch.setattr(sharding, "use_cpu_weight_layout", lambda devices: False)
+    monkeypatch.setattr(specjax.llm, "load_model", lambda *a, **k: pytest.fail("loaded the weights"))
+    with pytest.raises(ValueError, match="int8_activations=True needs the CPU kernels' weight layout"):
+        specjax.LLM(str(q41), int8_activations=True, **kw)
 
 
 def test_bfloat16_dtype(tiny_dirs, tmp_path):
