@@ -85,7 +85,8 @@ def build(args, spec: dict | None) -> specjax.LLM:
     # 5x the executables for steps this benchmark never takes.
     return specjax.LLM(args.model, speculative_config=spec, max_model_len=args.prompt_len + args.new_tokens + 8,
                        max_num_seqs=max(args.batches), batch_buckets=sorted(set(args.batches)),
-                       query_buckets=(1, args.prompt_len), max_prefill_chunk=args.prompt_len, seed=0)
+                       query_buckets=(1, args.prompt_len), max_prefill_chunk=args.prompt_len, seed=0,
+                       int8_activations=args.int8_activations)
 
 
 def run_load(llm, prompts, batch: int, temperature: float, new_tokens: int, calls: int = 1):
@@ -141,6 +142,8 @@ def main() -> None:
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts of a batch-1 load (one call each)")
     ap.add_argument("--batch1-reps", type=int, default=7,
                     help="rounds of a batch-1 load (a round takes seconds; its ratios spread the most)")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="every LLM with int8_activations=True (a GGUF model's blocks; README, 'What runs where')")
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                     help="also time a second plain LLM, reported as 'control' (the noise floor of the ratios)")
     args = ap.parse_args()
