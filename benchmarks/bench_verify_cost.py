@@ -33,11 +33,13 @@ params, 592 MiB). ``--micro`` adds the issue's one-matmul microbenchmark
 (x [M, 2048] times a 64 MB weight), ``--breakdown`` splits
 each named model's forward (batch 1) into projections / MLP / attention / LM head.
 
-Timing: every executable of a model is warmed up, then --reps rounds call each
-one in turn (interleaved, so machine load hits all alike); a sample is the mean
-of --inner back-to-back calls; figures are medians over rounds of wall-clock
-time, plus process CPU time (all threads; robust to preemption by other
-processes on a shared machine, which wall-clock is not).
+Timing: each variant runs in a process of its own (since the nineteenth session;
+``--in-process`` interleaves them in one, as the earlier runs did, where their
+weights evict each other from the caches); there every executable is warmed up,
+then --reps rounds call each one in turn (interleaved, so machine load hits all
+alike); a sample is the mean of --inner back-to-back calls; figures are medians
+over rounds of wall-clock time, plus process CPU time (all threads; robust to
+preemption by other processes on a shared machine, which wall-clock is not).
 
     python benchmarks/bench_verify_cost.py --micro --breakdown smollm2 wide155m \\
         --out benchmarks/results/verify_cost.json
@@ -53,7 +55,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -193,6 +197,42 @@ def layouts_of(name: str, config: LlamaConfig, params, variants: tuple[str, ...]
     return {v: make[v]() for v in variants if v in make}
 
 
+def compare(rows: dict, ks: list[int]) -> None:
+    """Add each variant's step times over the one before it (``after_vs_before`` ...) to a batch's ``rows``."""
+    for a, b in (("after", "before"), ("blocks", "after"), ("int8", "blocks")):
+        if a in rows and b in rows:
+            rows[f"{a}_vs_{b}"] = {
+                "T1_wall": round(rows[a]["T1"]["wall_ms"] / rows[b]["T1"]["wall_ms"], 3),
+                "T1_cpu": round(rows[a]["T1"]["cpu_ms"] / rows[b]["T1"]["cpu_ms"], 3),
+                **{f"K{k}_wall": round(rows[a]["K"][str(k)]["wall_ms"] / rows[b]["K"][str(k)]["wall_ms"], 3)
+                   for k in ks}}
+
+
+def bench_model_isolated(name: str, args) -> dict:
+    """:func:`bench_model` with each variant in a process of its own (this script with ``--in-process``), merged:
+    variants sharing a process evict each other's weights from the caches between calls, which is not what a
+    step of one model costs (SmolLM2's int8 and exact blocks read alike at T = 5 interleaved, 0.65-0.70x apart
+    alone)."""
+    variants = [v for v in args.variants if v in VARIANTS or name == "smollm2"]
+    result = None
+    for variant in variants:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "v.json"
+            cmd = [sys.executable, __file__, "--models", name, "--variants", variant, "--in-process",
+                   "--ks", *map(str, args.ks), "--batches", *map(str, args.batches), "--context", str(args.context),
+                   "--reps", str(args.reps), "--inner", str(args.inner), "--out", str(out)]
+            subprocess.run(cmd, check=True)
+            got = json.loads(out.read_text())["models"][name]
+        if result is None:
+            result = {**got, "isolated": True}
+        else:
+            for batch, rows in got["batches"].items():
+                result["batches"][batch][variant] = rows[variant]
+    for rows in result["batches"].values():
+        compare(rows, args.ks)
+    return result
+
+
 def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps: int, inner: int,
                 variants: tuple[str, ...] = ALL_VARIANTS) -> dict:
     config, params, source = load(name)
@@ -230,13 +270,7 @@ def bench_model(name: str, ks: list[int], batches: list[int], context: int, reps
                 per_k[str(k)] = {**m, "ratio_wall": round(m["wall_ms"] / one["wall_ms"], 3),
                                  "ratio_cpu": round(m["cpu_ms"] / one["cpu_ms"], 3)}
             rows[variant] = {"T1": one, "K": per_k}
-        for a, b in (("after", "before"), ("blocks", "after"), ("int8", "blocks")):
-            if a in rows and b in rows:
-                rows[f"{a}_vs_{b}"] = {
-                    "T1_wall": round(rows[a]["T1"]["wall_ms"] / rows[b]["T1"]["wall_ms"], 3),
-                    "T1_cpu": round(rows[a]["T1"]["cpu_ms"] / rows[b]["T1"]["cpu_ms"], 3),
-                    **{f"K{k}_wall": round(rows[a]["K"][str(k)]["wall_ms"] / rows[b]["K"][str(k)]["wall_ms"], 3)
-                       for k in ks}}
+        compare(rows, ks)
         result["batches"][str(batch)] = rows
         for variant in layouts:
             r = rows[variant]
@@ -373,7 +407,10 @@ def main() -> None:
     ap.add_argument("--micro-ms", type=int, nargs="+", default=[1, 2, 5, 8, 16, 32])
     ap.add_argument("--breakdown", nargs="*", default=[], help="models to split into components (batch 1, T=1 and 5)")
     ap.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS), choices=ALL_VARIANTS,
-                    help="layouts to time (one per process keeps the others' weights out of the caches)")
+                    help="layouts to time, each in a process of its own (see --in-process)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="time all --variants in this process, interleaved round by round (before the nineteenth "
+                         "session's runs: their weights then share the caches)")
     ap.add_argument("--cpus", default=None, help="pin the process to these CPU ids (e.g. 1 or 0,1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -394,8 +431,9 @@ def main() -> None:
                             for name in args.breakdown}
     out["models"] = {}
     for name in args.models:
-        out["models"][name] = bench_model(name, args.ks, args.batches, args.context, args.reps, args.inner,
-                                          tuple(args.variants))
+        out["models"][name] = (bench_model(name, args.ks, args.batches, args.context, args.reps, args.inner,
+                                           tuple(args.variants)) if args.in_process
+                               else bench_model_isolated(name, args))
     out["machine"]["load_avg_end"] = os.getloadavg()
     text = json.dumps(out, indent=1)
     if args.out:
