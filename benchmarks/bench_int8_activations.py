@@ -69,33 +69,21 @@ def worker(variant: str, config: str, args) -> dict:
 def logit_quality(model: str, prompts: list[list[int]]) -> dict:
     """Prefill logits of each prompt, exact vs int8: KL(exact || int8) per position (nats), top-token agreement."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from models.cpu_layout import to_cpu_layout
-    from models.llama import forward
+    from models.llama import prompt_logits
     from models.loading import load_blocks, load_model
     from specjax.builtin import resolve_model
-    from specjax.kv_cache import AttentionMetadata, KVCache
 
     path = resolve_model(model)
     config, params = load_model(path)
     layouts = {v: to_cpu_layout(params, config, quantized=load_blocks(path), int8_activations=v == "int8")
                for v in VARIANTS}
-    run = jax.jit(forward, static_argnames=("config",))
     kl, agree = [], []
     for ids in prompts:
-        t = len(ids)
-        logp = {}
-        for v, p in layouts.items():  # one row, its KV in contiguous blocks of 16
-            cache = KVCache.allocate(num_layers=config.num_hidden_layers, num_blocks=-(-t // 16), block_size=16,
-                                     num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                     dtype=jnp.float32)
-            meta = AttentionMetadata(slot_mapping=jnp.arange(t, dtype=jnp.int32)[None],
-                                     block_tables=jnp.arange(-(-t // 16), dtype=jnp.int32)[None])
-            logits = run(p, jnp.asarray([ids], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], cache, meta,
-                         config=config)[0][0]  # [T, V]
-            logp[v] = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+        logp = {v: np.asarray(jax.nn.log_softmax(prompt_logits(p, ids, config=config), axis=-1), np.float64)
+                for v, p in layouts.items()}  # [T, V] each
         kl += list((np.exp(logp["exact"]) * (logp["exact"] - logp["int8"])).sum(-1))
         agree += list(logp["exact"].argmax(-1) == logp["int8"].argmax(-1))
     return {"positions": len(kl), "kl_mean": round(float(np.mean(kl)), 4), "kl_median": round(float(np.median(kl)), 4),

@@ -382,6 +382,26 @@ def forward(
     return Model(config).apply({"params": params}, tokens, positions, kv_cache, attn_metadata, logits_indices)
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
+def _prompt_forward(params, tokens, cache, meta, *, config: LlamaConfig):
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    return forward(params, tokens, positions, cache, meta, config=config)[0][0]
+
+
+def prompt_logits(params: Mapping[str, Any], tokens, *, config: LlamaConfig, block_size: int = 16) -> np.ndarray:
+    """float32 ``[T, V]`` logits at every position of one prompt, through the paged forward with its KV in
+    contiguous blocks of ``block_size`` (a reference for tests and benchmarks, not the engine's path)."""
+    kv = _kv()
+    t = len(tokens)
+    blocks = -(-t // block_size)
+    cache = kv.KVCache.allocate(num_layers=config.num_hidden_layers, num_blocks=blocks, block_size=block_size,
+                                num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                dtype=jnp.float32)
+    meta = kv.AttentionMetadata(slot_mapping=jnp.arange(t, dtype=jnp.int32)[None],
+                                block_tables=jnp.arange(blocks, dtype=jnp.int32)[None])
+    return np.asarray(_prompt_forward(params, jnp.asarray([tokens], jnp.int32), cache, meta, config=config))
+
+
 def forward_features(
     params: Mapping[str, Any],
     tokens: jax.Array,

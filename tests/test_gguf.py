@@ -40,7 +40,7 @@ from tiny_models import SMOLLM2_MISSING, load_hf_torch_model, make_tiny_checkpoi
 
 from models.gguf import is_gguf_file, open_gguf  # noqa: E402
 from models.cpu_kernels.panel_matmul import available as cpu_kernels_available  # noqa: E402
-from models.llama import LlamaConfig, forward, to_cpu_layout  # noqa: E402
+from models.llama import LlamaConfig, prompt_logits, to_cpu_layout  # noqa: E402
 from models.loading import (  # noqa: E402
     load_blocks,
     load_hf_model,
@@ -52,7 +52,6 @@ from models.loading import (  # noqa: E402
 import specjax  # noqa: E402
 import specjax.llm  # noqa: E402
 from specjax.parallel import sharding  # noqa: E402
-from specjax.kv_cache import AttentionMetadata, KVCache  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -182,20 +181,9 @@ def hf_from_gguf(path: Path) -> torch.nn.Module:
         str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-_forward = jax.jit(forward, static_argnames=("config",))
-
-
 def prefill_logits(config: LlamaConfig, params, tokens: list[int]) -> np.ndarray:
-    """float32 [T, V] logits of one prompt through the paged forward (contiguous blocks)."""
-    block, t = 4, len(tokens)
-    nb = -(-t // block)
-    cache = KVCache.allocate(num_layers=config.num_hidden_layers, num_blocks=nb, block_size=block,
-                             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=jnp.float32)
-    meta = AttentionMetadata(slot_mapping=jnp.arange(t, dtype=jnp.int32)[None],
-                             block_tables=jnp.arange(nb, dtype=jnp.int32)[None])
-    logits, _, _ = _forward(params, jnp.asarray([tokens], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None],
-                            cache, meta, config=config)
-    return np.asarray(logits[0])
+    """float32 [T, V] logits of one prompt through the paged forward (contiguous blocks of 4)."""
+    return prompt_logits(params, tokens, config=config, block_size=4)
 
 
 def torch_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
