@@ -49,7 +49,8 @@ class Engine:
         self.k_table = spec.k_table(config.max_num_seqs) if spec is not None else (0,) * (config.max_num_seqs + 1)
         self.controller = None
         if spec is not None and spec.adaptive:
-            self.controller = SpeculationController(kmax, ControllerConfig(), can_detach=self.proposer.syncs)
+            self.controller = SpeculationController(kmax, ControllerConfig(), can_detach=self.proposer.syncs,
+                                                    prior=self.proposer.acceptance_prior)
         self.scheduler = Scheduler(config, num_lookahead_tokens=kmax + self.proposer.kv_lookahead(kmax))
         self.stats = EngineStats()
         self.spec_stats = SpecDecodeStats(kmax) if spec is not None else None

@@ -151,6 +151,7 @@ class LLM:
             proposer = build_proposer(BuildContext(
                 spec=spec, target_config=self.model_config, engine_config=self.engine_config,
                 tokenizer=self.tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size, mesh=self.mesh,
+                target=model,
             ))
         self.runner = StepRunner(
             self.model_config, params, proposer, self.engine_config, spec=spec, kv_dtype=_DTYPES[dtype],

@@ -17,11 +17,15 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: np.ndarray = dataclasses.field(init=False)
+    verified_per_position: np.ndarray = dataclasses.field(init=False)
+    """Drafts verified at each position with every draft before them accepted (so ``accepted_per_position /
+    verified_per_position`` is each position's conditional acceptance)."""
     num_spec_steps: int = 0
     """Engine steps that verified at least one draft."""
 
     def __post_init__(self) -> None:
         self.accepted_per_position = np.zeros(self.num_speculative_tokens, np.int64)
+        self.verified_per_position = np.zeros(self.num_speculative_tokens, np.int64)
 
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """One row's verification: ``num_accepted_tokens`` of ``num_draft_tokens`` drafts were kept."""
@@ -31,6 +35,7 @@ class SpecDecodeStats:
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
         self.accepted_per_position[:num_accepted_tokens] += 1
+        self.verified_per_position[:min(num_accepted_tokens + 1, num_draft_tokens)] += 1
 
     def as_dict(self) -> dict:
         drafted = self.num_draft_tokens
@@ -42,6 +47,7 @@ class SpecDecodeStats:
             # vLLM's definition: the bonus/recovered token counts, so a draft with nothing accepted scores 1.
             "mean_acceptance_length": 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
             "accepted_per_position": self.accepted_per_position.tolist(),
+            "verified_per_position": self.verified_per_position.tolist(),
             "num_spec_steps": self.num_spec_steps,
         }
 

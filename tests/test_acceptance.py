@@ -50,3 +50,76 @@ def test_a_request_whose_first_drafts_fail_stays_near_the_method_when_requests_d
     # Two rejections weigh against ~64 observations of the method, not 4 (there: 0.75 * 4 / 6 = 0.5).
     assert c.conditional_acceptance("new", True)[0] > method - 0.05
     assert c.as_dict()["prior_strength"]["sampled"] > 32 and c.as_dict()["prior_strength"]["greedy"] == 4.0
+
+
+# --------------------------------------------------------------------------- a proposer's measured prior
+
+def _prior(greedy, sampled=None, target="builtin:target"):
+    from specjax.spec_decode.acceptance import AcceptancePrior
+
+    return AcceptancePrior(target=target, greedy=greedy, sampled=sampled)
+
+
+def test_a_prior_round_trips_through_its_file_and_bad_counts_name_the_field(tmp_path):
+    from specjax.spec_decode.acceptance import PRIOR_FILE, AcceptancePrior, load_prior
+
+    prior = _prior(((30, 20), (40, 30)), ((10, 2), (20, 10)))
+    assert AcceptancePrior.from_json(prior.to_json(command="x")) == prior
+    for greedy in [((5, 1), (4, 1)),  # accepted > tried
+                   ((30, 20), (40, 31)),  # position 2 reached more often than position 1 accepted
+                   ((1,), (2, 1)), ((), ()), ((1.5,), (2,)), ((-1,), (2,))]:
+        with pytest.raises(ValueError, match="greedy"):
+            _prior(greedy)
+    with pytest.raises(ValueError, match="sampled"):
+        _prior(((1,), (2,)), ((3,), (2,)))
+    (tmp_path / PRIOR_FILE).write_text('{"target": "builtin:target", "greedy": {"accepted": [1]}}')
+    with pytest.raises(ValueError, match=PRIOR_FILE):
+        load_prior(tmp_path, "builtin:target")
+
+
+def test_a_prior_applies_only_to_the_target_it_was_measured_with(tmp_path):
+    from specjax.builtin import resolve_model
+    from specjax.spec_decode.acceptance import PRIOR_FILE, load_prior
+
+    assert load_prior(tmp_path, "builtin:target") is None  # no file
+    (tmp_path / PRIOR_FILE).write_text(_prior(((3,), (4,))).to_json())
+    assert load_prior(tmp_path, resolve_model("builtin:target")).greedy == ((3,), (4,))  # by path or name
+    assert load_prior(tmp_path, "builtin:smollm2") is None
+    # The shipped draft and heads carry theirs, for the shipped target.
+    for name in ("draft", "eagle3", "smollm2_eagle3"):
+        target = "builtin:smollm2" if name.startswith("smollm2") else "builtin:target"
+        assert load_prior(resolve_model(f"builtin:{name}"), target).sampled is not None
+
+
+def test_a_prior_ends_learning_and_weighs_prior_drafts_at_position_one():
+    c = SpeculationController(4, ControllerConfig(prior_drafts=32), can_detach=True,
+                              prior=_prior(((320, 160), (640, 320))))
+    assert not c.learning(False) and c.learning(True)  # no sampled counts: those are learned
+    assert c.method_stats[False].tried[:2] == [32, 16] and c.method_stats[False].accepted[:2] == [16, 8]
+    assert c.conditional_acceptance("new", False)[:2] == pytest.approx([(16 + 4 * 0.6) / 36, (8 + 4 * 0.6) / 20])
+    assert c.as_dict()["acceptance_prior"] == {"greedy": True, "sampled": False}
+    # Fewer measured drafts than prior_drafts weigh as many as there are, and learning waits for the rest.
+    few = SpeculationController(4, ControllerConfig(prior_drafts=32), can_detach=True, prior=_prior(((5,), (10,))))
+    assert few.method_stats[False].tried[0] == 10 and few.learning(False)
+
+
+def test_with_a_poor_prior_the_first_request_is_prefilled_detached_on_warmup_costs():
+    # Warmup timed every kind (K drafts cost 1 + 0.1 K, the target alone 0.9); nothing ran for real yet.
+    # Without a prior the first requests learn the method (prefilled attached); with one measured at 0.1 per
+    # position, drafting cannot pay, and a prefill detaches on warmup's costs.
+    def controller(prior):
+        c = SpeculationController(4, ControllerConfig(), can_detach=True, prior=prior)
+        for k in range(5):
+            c.costs.observe((1, k, False, False), 1.0 + 0.1 * k, warmup=True)
+        c.costs.observe((1, 0, True, False), 0.9, warmup=True)
+        return c, c.row_caps(["new"], [False], np.asarray([4]), np.asarray([True]))
+
+    c, new = controller(None)
+    assert c.learning(False) and not c.prefers_plain(1, new, 1)
+    c, new = controller(_prior(((10, 1, 0, 0), (100, 10, 1, 0))))
+    assert not c.learning(False) and c.prefers_plain(1, new, 1)
+    # A good prior drafts from the first decoding step, at the K its acceptance and the costs make best.
+    c, new = controller(_prior(((95, 90, 85, 80), (100, 95, 90, 85))))
+    assert not c.prefers_plain(1, new, 1)
+    d = c.decide(1, new, can_draft=np.asarray([True]))
+    assert d.k >= 3 and not d.detached  # K = 4, or its neighbour, explored while no kind ran for real

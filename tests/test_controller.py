@@ -647,6 +647,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(learn_requests=0)
     with pytest.raises(ValueError, match="detach_z"):
         ControllerConfig(detach_z=-1.0)
+    with pytest.raises(ValueError, match="prior_drafts"):
+        ControllerConfig(prior_drafts=-1.0)
     with pytest.raises(ValueError, match="detach_after"):
         ControllerConfig(detach_after=-1)
     with pytest.raises(ValueError, match="cost_max_age"):

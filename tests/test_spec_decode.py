@@ -253,6 +253,8 @@ def test_metrics_vllm_vectors():
         s.observe(drafted, accepted)
     d = s.as_dict()
     assert d["accepted_per_position"] == [2, 1, 1]
+    # Reached positions: 3 of 3 drafts (all accepted), 2 of 3 (the second rejected), 1 of 2.
+    assert d["verified_per_position"] == [3, 2, 1]
     assert d["num_drafts"] == 3 and d["num_draft_tokens"] == 8 and d["num_accepted_tokens"] == 4
     assert d["acceptance_rate"] == pytest.approx(4 / 8)
     assert d["mean_acceptance_length"] == pytest.approx(1 + 4 / 3)

@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 # LLM.get_metrics() keys a run summary keeps (those present: the engine's metrics are still growing).
 _KEPT_METRICS = ("num_requests", "num_generated_tokens", "num_steps", "num_spec_steps", "num_preemptions",
                  "num_compiles", "compile_seconds", "generation_tokens_per_s", "acceptance_rate",
-                 "mean_acceptance_length", "accepted_per_position", "num_drafts", "num_draft_tokens",
-                 "num_accepted_tokens")
+                 "mean_acceptance_length", "accepted_per_position", "verified_per_position", "num_drafts",
+                 "num_draft_tokens", "num_accepted_tokens")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,10 @@ drafting only when that beats a step without drafts by ``min_speedup`` or while 
 then the median of recent real steps; a drafting K next to the chosen one is re-measured once per
 ``cost_max_age`` steps; never above a kind that does more work).
 
+Where the proposer's weights ship its acceptance measured against this target (``acceptance.json``,
+:class:`~specjax.spec_decode.acceptance.AcceptancePrior`), the method's running average starts from it (weighing
+``prior_drafts``): there is nothing to learn, and a new request may be prefilled detached on warmup's costs.
+
 A row's cap stops where one more draft adds less than ``min_gain`` expected tokens, so a request whose drafts
 keep failing stops drafting while others go on; when no row would draft, the step is plain and host proposers
 are not even asked (:meth:`SpeculationController.row_caps` comes before the lookup). A row that has not drafted
@@ -33,8 +37,8 @@ import operator
 
 import numpy as np
 
-from specjax.spec_decode.acceptance import (AcceptanceStats, expected_accepted_sums, prior_strength,
-                                               upper_bound)
+from specjax.spec_decode.acceptance import (AcceptancePrior, AcceptanceStats, expected_accepted_sums,
+                                               prior_strength, upper_bound)
 from specjax.spec_decode.controller_config import LEARN_DRAFTS_PER_REQUEST, ControllerConfig  # noqa: F401 (re-exported)
 from specjax.spec_decode.costs import CostModel
 from specjax.spec_decode.drain import drain_gains
@@ -44,12 +48,20 @@ from specjax.spec_decode.plan import Decision, RowCaps
 class SpeculationController:
     """Picks K and per-row caps each decoding step (see the module docstring)."""
 
-    def __init__(self, k_max: int, config: ControllerConfig, *, can_detach: bool):
+    def __init__(self, k_max: int, config: ControllerConfig, *, can_detach: bool,
+                 prior: AcceptancePrior | None = None):
         self.k_max = k_max
         self.config = config
         self.can_detach = can_detach
         self.costs = CostModel(config.cost_window, config.cost_max_age)
         self.method_stats = {False: AcceptanceStats(k_max), True: AcceptanceStats(k_max)}  # sampled -> stats
+        self._primed = {False: False, True: False}  # sampled -> the method's stats start from a measured prior
+        for smp in (False, True):
+            counts = None if prior is None else prior.counts(smp)
+            if counts and counts[1][0] > 0:
+                scale = min(1.0, config.prior_drafts / counts[1][0])
+                self.method_stats[smp].seed([a * scale for a in counts[0]], [t * scale for t in counts[1]])
+                self._primed[smp] = True
         self._request_stats: dict[str, AcceptanceStats] = {}
         self._finished = {False: collections.deque(maxlen=64), True: collections.deque(maxlen=64)}  # sampled ->
         # finished requests' (accepted, tried) drafts
@@ -492,7 +504,11 @@ class SpeculationController:
         # K = 2 estimated as fast as the target alone: loads prefilled attached drafted and took 1.17x the time of
         # those prefilled detached).
         pays = draft_k and draft_rate >= self.config.min_speedup * max(attached_rate, detached_rate)
-        if pays or not detached_rate or (draft_k and self._no_drafting_measured(rows, plan.sampled)):
+        # A measured prior may detach on warmup's costs: its acceptance is known, and the first prefill of a
+        # short job is most of it (SmolLM2 with its EAGLE-3 head, the README's first command: attached, the
+        # drafting steps of the vote cost 1.5x a plain step each).
+        unmeasured = not self._primed[plan.sampled] and self._no_drafting_measured(rows, plan.sampled)
+        if pays or not detached_rate or (draft_k and unmeasured):
             return False
         # Exploring costs the whole batch (its steps run attached until the vote detaches again): once per
         # explore_every batches' worth of requests.
@@ -508,8 +524,10 @@ class SpeculationController:
     def learning(self, sampled: bool) -> bool:
         """Too few of the method's drafts (``learn_drafts``), or of requests (``learn_requests``), verified yet to
         trust its acceptance prior."""
-        return (self.method_stats[sampled].tried[0] < self.config.learn_drafts
-                or len(self._learned_from[sampled]) < self.config.learn_requests)
+        if self.method_stats[sampled].tried[0] < self.config.learn_drafts:
+            return True
+        # A measured prior stands for many requests' drafts.
+        return not self._primed[sampled] and len(self._learned_from[sampled]) < self.config.learn_requests
 
     def optimistic_reach(self, sampled: bool) -> list[float]:
         """[K_max]: P(draft j accepted) with each position's conditional acceptance at the Wilson upper bound
@@ -560,4 +578,5 @@ class SpeculationController:
             "num_detached_steps": self.num_detached_steps,
             "num_detached_prefills": self.num_detached_prefills,
             "prior_strength": {"greedy": self._strength[False], "sampled": self._strength[True]},
+            "acceptance_prior": {"greedy": self._primed[False], "sampled": self._primed[True]},
         }

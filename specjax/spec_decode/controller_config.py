@@ -23,7 +23,14 @@ class ControllerConfig:
     shipped EAGLE-3 head at batch 1, T 0.8 saw requests' estimates swing from 0.3 to 0.8 at position 1 (the
     method's 0.68) and detached requests whose drafts paid 1.2x the target alone."""
     initial_acceptance: float = 0.6
-    """Per-position conditional acceptance assumed before any draft of the method was verified."""
+    """Per-position conditional acceptance assumed before any draft of the method was verified (and no measured
+    prior came with the proposer)."""
+    prior_drafts: float = 32.0
+    """Drafts a proposer's measured acceptance prior (``acceptance.json``,
+    :class:`~specjax.spec_decode.acceptance.AcceptancePrior`) counts as at position 1 in the method's running
+    average (its counts scaled down to this; the later positions alike): as many as learning asks for
+    (``learn_drafts``), so the controller starts from it, and few enough that the workload's own drafts soon
+    outweigh it."""
     min_gain: float = 0.02
     """A row drafts position j only while it adds at least this many expected tokens."""
     cost_window: int = 32
@@ -103,8 +110,8 @@ class ControllerConfig:
     greedy on the shipped pair read 3.4 ms where it takes 2.2 and drafted at 0.85x plain."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_strength", "max_prior_strength", "min_gain", "min_speedup", "learn_z", "detach_z",
-                     "min_lookup_hits", "max_planning_share", "shadow_band"):
+        for name in ("prior_strength", "max_prior_strength", "prior_drafts", "min_gain", "min_speedup", "learn_z",
+                     "detach_z", "min_lookup_hits", "max_planning_share", "shadow_band"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax.builtin import resolve_model
+from specjax.spec_decode.acceptance import load_prior
 
 EMPTY_DRAFTS = np.zeros((0,), dtype=np.int32)
 EMPTY_DRAFTS.flags.writeable = False  # shared by every "no drafts" answer
@@ -92,6 +96,10 @@ class Proposer:
     """:meth:`propose` returns draft distributions q [B, K, V] when a row samples (else one-hot drafts)."""
     params: Any = None
     """Device param pytree handed to every step (None: no weights)."""
+    acceptance_prior: Any = None
+    """The method's acceptance measured against this target (an
+    :class:`~specjax.spec_decode.acceptance.AcceptancePrior` from its weights' directory, see :func:`prior_for`),
+    where the adaptive controller starts; None: it learns from the first drafts."""
 
     def kv_lookahead(self, k: int) -> int:
         """KV slots past the verified window (committed + K + 1) the device side writes."""
@@ -149,6 +157,8 @@ class BuildContext:
     """The target's tp size (drafts may follow it or replicate)."""
     mesh: Any
     """The engine's device mesh."""
+    target: str | None = None
+    """The target model as given (a path or ``builtin:`` name; None: not known, so no measured prior applies)."""
 
     @property
     def jnp_dtype(self):
@@ -187,10 +197,21 @@ def build(ctx: BuildContext) -> Proposer:
     if name not in _MODULES:
         raise ValueError(f"speculative_config.method {name!r} has no registered proposer; known: {sorted(_MODULES)}")
     importlib.import_module(_MODULES[name])
-    return _BUILDERS[name](ctx)
+    proposer = _BUILDERS[name](ctx)
+    if getattr(ctx.spec, "model", None) is not None and proposer.acceptance_prior is None:
+        proposer.acceptance_prior = prior_for(ctx, resolve_model(ctx.spec.model))
+    return proposer
 
 
 # --------------------------------------------------------------------------- shared checks
+
+
+def prior_for(ctx: BuildContext, model_path: str):
+    """The acceptance prior shipped in a draft's or head's directory for ``ctx``'s target, or None
+    (:func:`~specjax.spec_decode.acceptance.load_prior`; a single weights file has no directory of its own)."""
+    if ctx.target is None or not os.path.isdir(model_path):
+        return None
+    return load_prior(model_path, ctx.target)
 
 
 def check_int(name: str, value, minimum: int) -> None:
