@@ -327,6 +327,11 @@ def test_a_chained_proposer_drafts_ahead_only_what_the_next_plan_may_verify():
         explore.costs.observe((1, k, False, False), 1.0)
     d = plan(explore, 2)
     assert (d.k, d.ahead) == (2, 3)
+    # With those drafts ready K = 3 is explored, for two steps so that the second is timed in a run, also where
+    # its own neighbour gets drafts made first (one cold step of an EAGLE-3 head's K = 3 read 2.3-3.0 ms on the
+    # shipped pair, a run of them 1.9 ms, and the controller kept to K = 2).
+    d = plan(explore, 3)
+    assert (d.k, d.ahead, d.hold) == (3, K, 1)
 
 
 def test_while_learning_k_is_chosen_at_the_optimistic_acceptance_so_deeper_positions_are_taught():
