@@ -123,3 +123,20 @@ def test_with_a_poor_prior_the_first_request_is_prefilled_detached_on_warmup_cos
     assert not c.prefers_plain(1, new, 1)
     d = c.decide(1, new, can_draft=np.asarray([True]))
     assert d.k >= 3 and not d.detached  # K = 4, or its neighbour, explored while no kind ran for real
+
+
+def test_an_llm_starts_its_controller_from_the_prior_its_draft_ships_for_that_target(tmp_path):
+    import shutil
+
+    import specjax
+    from specjax.builtin import STDLIB_SPEC, resolve_model
+
+    kw = dict(speculative_config=dict(STDLIB_SPEC), max_model_len=128, max_num_seqs=1, warmup=False)
+    llm = specjax.LLM("builtin:target", **kw)
+    assert llm.get_metrics()["acceptance_prior"] == {"greedy": True, "sampled": True}
+    assert not llm.engine.controller.learning(False)
+    # The same weights under another path are another target as far as the prior knows: it learns.
+    copy = shutil.copytree(resolve_model("builtin:target"), tmp_path / "target")
+    other = specjax.LLM(str(copy), **kw)
+    assert other.get_metrics()["acceptance_prior"] == {"greedy": False, "sampled": False}
+    assert other.engine.controller.learning(False)
