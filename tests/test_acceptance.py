@@ -85,6 +85,8 @@ def test_a_prior_applies_only_to_the_target_it_was_measured_with(tmp_path):
     (tmp_path / PRIOR_FILE).write_text(_prior(((3,), (4,))).to_json())
     assert load_prior(tmp_path, resolve_model("builtin:target")).greedy == ((3,), (4,))  # by path or name
     assert load_prior(tmp_path, "builtin:smollm2") is None
+    (tmp_path / PRIOR_FILE).write_text(_prior(((3,), (4,)), target="builtin:no_such_model").to_json())
+    assert load_prior(tmp_path, "builtin:target") is None  # a name this install cannot resolve: not this target
     # The shipped draft and heads carry theirs, for the shipped target.
     for name in ("draft", "eagle3", "smollm2_eagle3"):
         target = "builtin:smollm2" if name.startswith("smollm2") else "builtin:target"

