@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import sys
 from pathlib import Path
@@ -85,7 +84,6 @@ def main() -> None:
         path = Path(resolve_model(args.model)) / PRIOR_FILE
         path.write_text(text)
         print("wrote", path)
-        json.loads(path.read_text())
 
 
 if __name__ == "__main__":

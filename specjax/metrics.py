@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from specjax.spec_decode.acceptance import AcceptanceStats
+
 
 @dataclasses.dataclass
 class SpecDecodeStats:
@@ -16,19 +18,14 @@ class SpecDecodeStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = dataclasses.field(init=False)
-    """Drafts accepted at each position."""
-    verified_per_position: list[int] = dataclasses.field(init=False)
-    """Drafts verified at each position with every draft before them accepted (so ``accepted_per_position /
-    verified_per_position`` is each position's conditional acceptance)."""
+    positions: AcceptanceStats = dataclasses.field(init=False)
+    """Per position: drafts verified there with every draft before them accepted (``tried``) and accepted
+    (so ``accepted_per_position / verified_per_position`` is each position's conditional acceptance)."""
     num_spec_steps: int = 0
     """Engine steps that verified at least one draft."""
 
     def __post_init__(self) -> None:
-        # Python lists: this runs per row and step, right after the step's fetch, where numpy's per-call cost
-        # is at its worst (two small-array increments took ~50 us a row at batch 1).
-        self.accepted_per_position = [0] * self.num_speculative_tokens
-        self.verified_per_position = [0] * self.num_speculative_tokens
+        self.positions = AcceptanceStats(self.num_speculative_tokens)
 
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """One row's verification: ``num_accepted_tokens`` of ``num_draft_tokens`` drafts were kept."""
@@ -37,11 +34,7 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
-        accepted, verified = self.accepted_per_position, self.verified_per_position
-        for i in range(num_accepted_tokens):
-            accepted[i] += 1
-        for i in range(min(num_accepted_tokens + 1, num_draft_tokens)):
-            verified[i] += 1
+        self.positions.observe(num_draft_tokens, num_accepted_tokens)
 
     def as_dict(self) -> dict:
         drafted = self.num_draft_tokens
@@ -52,8 +45,8 @@ class SpecDecodeStats:
             "acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
             # vLLM's definition: the bonus/recovered token counts, so a draft with nothing accepted scores 1.
             "mean_acceptance_length": 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
-            "accepted_per_position": list(self.accepted_per_position),
-            "verified_per_position": list(self.verified_per_position),
+            "accepted_per_position": list(self.positions.accepted),
+            "verified_per_position": list(self.positions.tried),
             "num_spec_steps": self.num_spec_steps,
         }
 

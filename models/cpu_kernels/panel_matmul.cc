@@ -91,16 +91,21 @@ struct Dense {
 
 // Record: d[kPanel] float16, m[kPanel] float16, then 16 rows of kPanel bytes, byte c of row j holding
 // column c's q at k = 2j (low nibble) and 2j + 1 (high nibble); weight = d * q + m. 5 bits per weight.
-struct Q4_1 {
+// What both Q4_1 layouts (this one and Q4_1Dot) read first: the record's scales and where its q start.
+struct Q4_1Scales {
   static constexpr int64_t kK = 32, kBytes = 20 * kPanel;
-  static constexpr int kSub = 2, kSteps = 16;
   fvec d[kVecs], m[kVecs];
   const uint8_t* q;
   const uint16_t* s;
-  explicit Q4_1(const uint8_t* rec) : q(rec + 4 * kPanel), s(reinterpret_cast<const uint16_t*>(rec)) {
+  explicit Q4_1Scales(const uint8_t* rec) : q(rec + 4 * kPanel), s(reinterpret_cast<const uint16_t*>(rec)) {
     for (int v = 0; v < kVecs; ++v)
       d[v] = specjax::LoadHalfVec(s + v * kLanes), m[v] = specjax::LoadHalfVec(s + kPanel + v * kLanes);
   }
+};
+
+struct Q4_1 : Q4_1Scales {
+  static constexpr int kSub = 2, kSteps = 16;
+  using Q4_1Scales::Q4_1Scales;
   SPECJAX_INLINE void Load(int j, fvec (&w)[kSub][kVecs]) const {
     for (int v = 0; v < kVecs; ++v) {
       const specjax::ivec u = specjax::LoadBytes(q + j * kPanel + v * kLanes);
@@ -160,15 +165,8 @@ struct Q8_0 {
 //
 // Q4_1 for dot products: d[kPanel] float16, m[kPanel] float16, then 4 groups of kPanel words, word c of group g
 // holding column c's q at k = 8g + b in the low nibble of byte b and k = 8g + 4 + b in its high nibble.
-struct Q4_1Dot {
-  static constexpr int64_t kK = 32, kBytes = 20 * kPanel;
-  fvec d[kVecs], m[kVecs];
-  const uint8_t* q;
-  const uint16_t* s;
-  explicit Q4_1Dot(const uint8_t* rec) : q(rec + 4 * kPanel), s(reinterpret_cast<const uint16_t*>(rec)) {
-    for (int v = 0; v < kVecs; ++v)
-      d[v] = specjax::LoadHalfVec(s + v * kLanes), m[v] = specjax::LoadHalfVec(s + kPanel + v * kLanes);
-  }
+struct Q4_1Dot : Q4_1Scales {
+  using Q4_1Scales::Q4_1Scales;
   // ia[i] += sum over the record's 32 k of q[k] * xq[i][k] for vector v's columns (xq: the rows' int8 x of
   // this block, as 8 words of 4 bytes each).
   template <int MR>
