@@ -72,9 +72,11 @@ def test_a_prior_round_trips_through_its_file_and_bad_counts_name_the_field(tmp_
             _prior(greedy)
     with pytest.raises(ValueError, match="sampled"):
         _prior(((1,), (2,)), ((3,), (2,)))
-    (tmp_path / PRIOR_FILE).write_text('{"target": "builtin:target", "greedy": {"accepted": [1]}}')
-    with pytest.raises(ValueError, match=PRIOR_FILE):
-        load_prior(tmp_path, "builtin:target")
+    for bad in ('{"target": "builtin:target", "greedy": {"accepted": [1]}}',
+                '{"target": "builtin:target", "greedy": {"accepted": 5, "tried": 4}}', "[]", "{"):
+        (tmp_path / PRIOR_FILE).write_text(bad)
+        with pytest.raises(ValueError, match=PRIOR_FILE):
+            load_prior(tmp_path, "builtin:target")
 
 
 def test_a_prior_applies_only_to_the_target_it_was_measured_with(tmp_path):

@@ -144,7 +144,8 @@ class AcceptancePrior:
             entry = record.get(name)
             if entry is None:
                 return None
-            if not isinstance(entry, dict) or set(entry) != {"accepted", "tried"}:
+            if (not isinstance(entry, dict) or set(entry) != {"accepted", "tried"}
+                    or not all(isinstance(v, list) for v in entry.values())):
                 raise ValueError(f"{name} must be {{'accepted': [...], 'tried': [...]}}, got {entry!r}")
             return tuple(entry["accepted"]), tuple(entry["tried"])
 
