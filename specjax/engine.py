@@ -321,8 +321,13 @@ class Engine:
         switched, self._last_kind = self._last_kind != (bucket, detached), (bucket, detached)
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
-            self.controller.costs.observe((bucket[0], k, detached, sampled), time.perf_counter() - run_start,
-                                          switched=switched)
+            # A chained proposer's step costs its K's verify and its drafts ahead; the kind K is what a run of K
+            # costs, drafting K ahead (as warmup times it). A step growing or shrinking the drafts ahead costs
+            # another K's drafts: it would pollute this K's cost (eagle3 at batch 1, T 0.8: K = 1 steps drafting
+            # 3 ahead, before a K = 3 run, put K = 1 at 1.9 ms where a run of K = 1 costs 1.2).
+            if detached or not self.proposer.chained_drafts or ahead == max(k, 1):
+                self.controller.costs.observe((bucket[0], k, detached, sampled), time.perf_counter() - run_start,
+                                              switched=switched)
             if not detached:
                 self.controller.costs.observe_planning((bucket[0], sampled), run_start - plan_start,
                                                        full=self._planned)

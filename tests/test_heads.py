@@ -178,6 +178,51 @@ def test_under_the_controller_a_head_drafts_ahead_only_what_the_next_step_verifi
     assert {ahead for _, ahead in steps} == {1}
 
 
+
+def test_a_chained_proposers_step_costs_count_only_steps_drafting_their_own_k_ahead(target_dir, target, tmp_path,
+                                                                                      plain):
+    """A step of K whose head drafts other than max(K, 1) ahead (the next plan grows or shrinks K) does the
+    head work of another kind: it is no measurement of K's cost. (eagle3 on the shipped pair, batch 1, T 0.8:
+    K = 1 steps drafting 3 ahead before a K = 3 run put K = 1 at 1.9 ms where a run of K = 1 costs 1.2.)"""
+    h, hp = _scaled_head("eagle3", target[0], seed=2)
+    spec = {"method": "eagle3", "model": str(save_head(tmp_path / "eagle3", h, hp, dtype="float32")),
+            "num_speculative_tokens": 3}
+    llm = specjax.LLM(target_dir, speculative_config=spec, warmup=False, **{**KW, "batch_buckets": (2,)})
+    c = llm.engine.controller
+
+    def price(dear: int) -> None:  # drafting beyond K = 1 costs 10x, or (dear = 3) nothing does
+        for sampled in (False, True):
+            c.costs.set((2, 0, False, sampled), 1.0)
+            c.costs.set((2, 0, True, sampled), 1.0)
+            for k in range(1, 4):
+                c.costs.set((2, k, False, sampled), 10.0 if 1 < k <= dear else 1.0)
+
+    price(3)
+    c.observe("earlier", False, 3, 3)  # (a method that drafts well)
+    c.costs.frozen = True
+    events = []  # ("run", K, drafts ahead) of each attached decoding step; ("cost", kind) of each measurement
+    real_run, real_observe = llm.runner.run, c.costs.observe
+
+    def run(batch):
+        if batch.tokens.shape[1] == 1 and batch.attached.any():
+            events.append(("run", batch.host_drafts.shape[1], int(batch.draft_ahead.max())))
+            if sum(e[0] == "run" for e in events) == 6:
+                price(1)  # K = 3 now pays: the next plan verifies the one draft ready and makes three ahead
+        return real_run(batch)
+
+    llm.runner.run = run
+    c.costs.observe = lambda key, *a, **kw: (events.append(("cost", key)), real_observe(key, *a, **kw))
+    prompts = _prompts(6, [7, 12])
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert _ids(llm.generate(prompts, params)) == _ids(plain.generate(prompts, params))
+    steps = [(e, nxt) for e, nxt in zip(events, events[1:] + [None]) if e[0] == "run"]
+    measured = [nxt is not None and nxt[0] == "cost" and nxt[1][1] == e[1] for e, nxt in steps]
+    own = [e[2] == max(e[1], 1) for e, _ in steps]
+    assert not all(own), "no step drafted another K ahead"
+    assert not any(m and not o for m, o in zip(measured, own))
+    assert any(m and o for m, o in zip(measured, own)) and any(e[1] == 3 for e, _ in steps)
+
+
 def test_dense_training_forward_equals_paged_head(target):
     """Depth 0 of the training forward is the engine's paged head pass on the same entries."""
     t_config, t_params = target
