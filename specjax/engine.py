@@ -62,6 +62,7 @@ class Engine:
         self._planned = True  # the last decoding step's plan was made in full (not a held one)
         self._ahead = 1  # drafts a chained proposer makes for the next step (Decision.ahead, see draft_ahead)
         self._last_kind: tuple | None = None  # (bucket, detached) of the last step (cold steps: CostModel)
+        self._last_done: float | None = None  # perf_counter when the last step's measured part ended (CostModel)
 
     # ------------------------------------------------------------------ buckets
 
@@ -317,16 +318,20 @@ class Engine:
             batch.draft_ahead[:n] = ahead
         packed = self.runner.run(batch)[:n]  # the step's one host fetch
         finished = self._commit(rows, packed, num_drafts, k, ahead)
-        elapsed = time.perf_counter() - start_time
+        done = time.perf_counter()
+        elapsed = done - start_time
         switched, self._last_kind = self._last_kind != (bucket, detached), (bucket, detached)
+        last_done, self._last_done = self._last_done, done
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
+            if last_done is not None:
+                self.controller.costs.observe_overhead((bucket[0], sampled), plan_start - last_done)
             # A chained proposer's step costs its K's verify and its drafts ahead; the kind K is what a run of K
             # costs, drafting K ahead (as warmup times it). A step growing or shrinking the drafts ahead costs
             # another K's drafts: it would pollute this K's cost (eagle3 at batch 1, T 0.8: K = 1 steps drafting
             # 3 ahead, before a K = 3 run, put K = 1 at 1.9 ms where a run of K = 1 costs 1.2).
             if detached or not self.proposer.chained_drafts or ahead == max(k, 1):
-                self.controller.costs.observe((bucket[0], k, detached, sampled), time.perf_counter() - run_start,
+                self.controller.costs.observe((bucket[0], k, detached, sampled), done - run_start,
                                               switched=switched)
             if not detached:
                 self.controller.costs.observe_planning((bucket[0], sampled), run_start - plan_start,

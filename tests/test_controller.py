@@ -9,6 +9,7 @@ import pytest
 import specjax
 from specjax.buckets import count_compiles
 from specjax.spec_decode.controller import LEARN_DRAFTS_PER_REQUEST, ControllerConfig, SpeculationController
+from specjax.spec_decode.costs import RELATION_MIN_STEPS
 from specjax.spec_decode.plan import RowCaps
 from tiny_models import make_tiny_checkpoint
 
@@ -187,7 +188,8 @@ def test_a_kind_not_chosen_for_cost_max_age_steps_falls_back_to_its_scaled_warmu
         c = _controller({}, cost_max_age=max_age)
         for k in range(K + 1):  # warmup: K=k costs 1 + 0.25 k
             c.costs.observe((1, k, False, False), 1.0 + 0.25 * k, warmup=True)
-        c.costs.observe((1, K, False, False), 9.0)  # one real K=4 step, in a slow moment
+        for _ in range(RELATION_MIN_STEPS):  # a run of real K=4 steps, in a slow moment
+            c.costs.observe((1, K, False, False), 9.0)
         assert c.costs.estimate(1, K, False) == 9.0
         for _ in range(16):  # then only K=1 is chosen; its real steps take what its warmup did
             c.costs.observe((1, 1, False, False), 1.25)
@@ -209,7 +211,8 @@ def test_an_expired_kind_measured_over_a_full_window_keeps_its_ratio_to_the_buck
     assert c.costs.estimate(1, 2, False) == pytest.approx(2.0 * 2.4 * 0.75)
     assert c.costs.age((1, 2, False, False)) == np.inf  # (expired)
     assert c.costs.estimate(1, 3, False) == pytest.approx(2.5 * 2.4)  # never measured: the bucket's scale
-    c.costs.observe((1, 2, False, False), 3.3)  # measured again: its real time
+    for _ in range(RELATION_MIN_STEPS):  # measured again: its real time
+        c.costs.observe((1, 2, False, False), 3.3)
     assert c.costs.estimate(1, 2, False) == 3.3
 
 
@@ -525,6 +528,40 @@ def test_kinds_seen_only_at_warmup_scale_with_the_real_steps_of_their_bucket():
     assert c.costs.estimate(8, 0, True) == 1.6
     assert c.costs.estimate(8, 1, False) == 3.0 and c.costs.estimate(8, 2, False) == 4.0
     assert c.costs.estimate(8, 1, False, True) == 1.25  # another bucket (sampled): nothing measured, a guess
+
+
+def test_a_drafting_kind_measured_in_few_real_steps_costs_no_more_than_its_scaled_warmup_time():
+    """A kind chosen seldom is measured in few steps, and one slow one must not keep it from being chosen (eagle3
+    on the shipped pair, batch 1, T 0.8: K = 3 read 2.22 ms from its one step in a run, as dear as K = 4, where a
+    run of it costs ~1.8): below RELATION_MIN_STEPS real measurements, the lower of the two."""
+    c = _controller({}, cost_max_age=0)
+    for k in range(K + 1):  # warmup: K=k costs 1 + 0.25 k, the target alone 1.0
+        c.costs.observe((1, k, False, False), 1.0 + 0.25 * k, warmup=True)
+    c.costs.observe((1, 0, True, False), 1.0, warmup=True)
+    for _ in range(RELATION_MIN_STEPS):  # real K=2 and detached steps run 1.2x their warmup time
+        c.costs.observe((1, 2, False, False), 1.8)
+        c.costs.observe((1, 0, True, False), 1.2)
+    c.costs.observe((1, 3, False, False), 4.0)  # one K=3 step, in a slow moment
+    assert c.costs.estimate(1, 3, False) == pytest.approx(1.75 * 1.2)
+    for _ in range(RELATION_MIN_STEPS - 2):  # chosen again: while few, still the lower
+        c.costs.observe((1, 3, False, False), 2.3)
+    assert c.costs.estimate(1, 3, False) == pytest.approx(1.75 * 1.2)
+    c.costs.observe((1, 3, False, False), 2.3)  # enough real steps: what they say (below K=4's 2.0 x 1.2)
+    assert c.costs.estimate(1, 3, False) == 2.3
+    c.costs.observe((1, 0, False, False), 9.0)  # a step without drafts is not taken at a lower guess
+    assert c.costs.seconds[1, 0, False, False] == 9.0
+
+
+def test_host_time_between_steps_is_added_to_every_kind():
+    c = _controller({(1, 0, True): 1.0, (1, 0, False): 1.05, (1, 2, False): 1.1})
+    for seconds in (0.1, 0.2, 5.0):  # the median: one long gap (a call's first step) does not count
+        c.costs.observe_overhead((1, False), seconds)
+    assert c.costs.overhead(1) == pytest.approx(0.2)
+    assert c.costs.estimate(1, 0, True) == pytest.approx(1.2)
+    assert c.costs.estimate(1, 2, False) == pytest.approx(1.3)
+    assert c.costs.estimate(1, 2, False, True) == pytest.approx(1.1)  # sampled steps: none measured
+    c.costs.observe_overhead((1, False), 0.3)
+    assert c.costs.overhead(1) == pytest.approx(0.25)
 
 
 def test_planning_time_is_added_to_attached_kinds_only():

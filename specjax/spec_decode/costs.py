@@ -64,6 +64,12 @@ class CostModel:
     estimate instead, as detached steps of stale rows skip planning (without it, draft_model at batch 8 on the
     shipped pair stopped detaching).
 
+    The host time per step outside both (scheduling, the caller's loop, the last step's bookkeeping: from one
+    step's measurement to the next one's planning) is paid by every kind alike, and a plain step's share of it is
+    larger: the bucket's median is added to every kind's estimate (eagle3 at batch 1, T 0.8 on the shipped pair:
+    without it, drafting at K = 2 read 1.09x the target alone, short of the margin, where fixed K = 2 ran 1.2x
+    plain, and new requests were prefilled detached).
+
     Measurements of a kind not chosen for ``max_age`` real steps of its bucket expire, so a kind measured in a
     slow moment is tried again. Its estimate is then its warmup time x the bucket's scale x the relation its
     real / warmup ratio had to the median of the bucket's other measured kinds' when last read while it was
@@ -92,6 +98,8 @@ class CostModel:
         # its measurements expire: the kinds ever measured in a real step, or set)
         self._planning: dict[tuple, collections.deque] = {}  # (rows, sampled) -> planning seconds per step
         self._full_plans: dict[tuple, collections.deque] = {}  # (rows, sampled) -> seconds of each full plan
+        self._overhead: dict[tuple, collections.deque] = {}  # (rows, sampled) -> host seconds between steps
+        self._overhead_median: dict[tuple, float] = {}  # (rows, sampled) -> median of its deque (read lazily)
         self._relative: dict[tuple, float] = {}  # kind -> its real / warmup ratio over its bucket's other kinds'
         # (median), as last read while it was chosen with RELATION_MIN_STEPS or more measurements
         self._in_run: set[tuple] = set()  # kinds whose current real measurements come from runs of them
@@ -186,6 +194,10 @@ class CostModel:
         for kk in kinds:
             if kk in real:
                 self._seconds[kk] = real[kk]
+                if kk[1] and kk in self._warm and len(self._real[kk]) < RELATION_MIN_STEPS:
+                    # A drafting kind with few real measurements is taken at its scaled warmup time if that is
+                    # lower: one slow step must not keep a kind from being chosen (and measured) again.
+                    self._seconds[kk] = min(real[kk], med[kk, True] * scale * self._relative.get(kk, 1.0))
             elif kk not in self._relative and (twin := self._twin_seconds(kk)) is not None:
                 self._seconds[kk] = twin
             else:
@@ -242,11 +254,30 @@ class CostModel:
         """Mean planning time per attached decoding step of the bucket (0 before any was measured)."""
         return _mean(self._planning.get((rows, sampled)))
 
+    def observe_overhead(self, bucket: tuple, seconds: float) -> None:
+        """The host time between the last step's measurement and a decoding step's planning (or its compiled
+        call, where it plans nothing) of ``bucket`` = (rows, sampled): scheduling, the caller's loop, the last
+        step's bookkeeping."""
+        if self.frozen:
+            return
+        _entry(self._overhead, bucket, self._window).append(seconds)
+        self._overhead_median.pop(bucket, None)
+
+    def overhead(self, rows: int, sampled: bool = False) -> float:
+        """Median host time per decoding step of the bucket outside its measurement and planning (0 before any
+        was measured; see the class docstring)."""
+        bucket = (rows, sampled)
+        got = self._overhead_median.get(bucket)
+        if got is None:
+            times = self._overhead.get(bucket)
+            got = self._overhead_median[bucket] = _median(times) if times else 0.0
+        return got
+
     def estimate(self, rows: int, k: int, detached: bool, sampled: bool = False) -> float:
         """The measured cost (or a conservative guess when unmeasured), capped by every measured kind of the
-        bucket that does more work; an attached kind's with the bucket's planning time per step added (see the
-        class docstring)."""
-        got = self._estimate(rows, k, detached, sampled)
+        bucket that does more work; with the bucket's host time per step outside the measurement added, and an
+        attached kind's planning time per step (see the class docstring)."""
+        got = self._estimate(rows, k, detached, sampled) + self.overhead(rows, sampled)
         return got if detached else got + self.planning(rows, sampled)
 
     def _estimate(self, rows: int, k: int, detached: bool, sampled: bool) -> float:
