@@ -10,6 +10,7 @@ speculative method: everything method-specific sits behind the proposer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -22,6 +23,10 @@ from specjax.scheduler import Request, Scheduler
 from specjax.spec_decode.controller import ControllerConfig, SpeculationController
 from specjax.spec_decode.proposer import EMPTY_DRAFTS
 from specjax.step import unpack
+
+
+WARMUP_STEPS_PER_KIND = 4
+"""Consecutive all-padding steps of each kind per warmup timing round; the last is timed (see Engine.warmup)."""
 
 
 @dataclasses.dataclass
@@ -103,15 +108,21 @@ class Engine:
         self.runner.warmup(buckets, progress=progress)
         if self.controller is not None:
             # Rounds over all kinds rather than repeats of one: a slow spell of the machine then lands on one
-            # measurement of several kinds, not on all of one kind's (the cost is their median).
+            # measurement of several kinds, not on all of one kind's (the cost is their median). In each, a kind
+            # runs WARMUP_STEPS_PER_KIND steps in a row and the last counts: a kind's cost is what a step costs
+            # in a run of it (see CostModel), and steps right after another kind ran cold, the cheap kinds most
+            # (SmolLM2 with its EAGLE-3 head at batch 1, greedy, four fresh processes each: one step per round
+            # put K = 1 at 1.14x the target alone and K = 2 at 1.40x, four 1.33x and 1.57x; real steps 1.37x
+            # and 1.66x).
             kinds = self._step_kinds(buckets)
             for _ in range(3):
                 for (rows, length, k), detached in kinds:
                     for sampled in (False, True):
-                        self.controller.costs.observe(
-                            (rows, k, detached, sampled),
-                            self.runner.time_step((rows, length, k), detached, sampled, repeats=1,
-                                                  draft_ahead=max(k, 1)), warmup=True)
+                        step = functools.partial(self.runner.time_step, (rows, length, k), detached, sampled,
+                                                 repeats=1, draft_ahead=max(k, 1))
+                        for _ in range(WARMUP_STEPS_PER_KIND - 1):
+                            step()
+                        self.controller.costs.observe((rows, k, detached, sampled), step(), warmup=True)
 
     # ------------------------------------------------------------------ requests
 

@@ -9,6 +9,7 @@ import pytest
 import specjax
 from specjax.buckets import count_compiles
 from specjax.spec_decode.controller import LEARN_DRAFTS_PER_REQUEST, ControllerConfig, SpeculationController
+from specjax.engine import WARMUP_STEPS_PER_KIND
 from specjax.spec_decode.costs import RELATION_MIN_STEPS
 from specjax.spec_decode.plan import RowCaps
 from tiny_models import make_tiny_checkpoint
@@ -740,6 +741,36 @@ def draft_dir(tmp_path_factory):
 def _prompts(seed, lengths):
     rng = np.random.default_rng(seed)
     return [{"prompt_token_ids": rng.integers(4, 32, size=n).tolist()} for n in lengths]
+
+
+def test_warmup_times_each_step_kind_in_a_run_of_it(target_dir, draft_dir):
+    """A kind's cost is what a step costs in a run of it: warmup times the last of WARMUP_STEPS_PER_KIND
+    consecutive steps of each kind (the first, right after another kind, runs cold)."""
+    llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
+                      warmup=False, **KW)
+    calls, seen = [], []
+    llm.runner.warmup = lambda *a, **kw: None  # (compiling is not what this checks)
+
+    def time_step(bucket, detached, sampled=False, repeats=3, draft_ahead=0):
+        calls.append((bucket, detached, sampled, draft_ahead))
+        return float(len(calls))  # a step's "time": its place in the sequence
+
+    llm.runner.time_step = time_step
+    costs = llm.engine.controller.costs
+    real_observe = costs.observe
+    costs.observe = lambda key, seconds, **kw: (seen.append((key, seconds, kw)), real_observe(key, seconds, **kw))
+    llm.engine.warmup(progress=False)
+    kinds = {(b[0], b[2], d, smp) for b, d, smp, _ in calls}
+    assert len(seen) == 3 * len(kinds) and {key for key, _, _ in seen} == kinds  # three rounds over every kind
+    for key, seconds, kw in seen:
+        assert kw == {"warmup": True}
+        last = int(seconds) - 1  # the timed step
+        run = calls[last - WARMUP_STEPS_PER_KIND + 1: last + 1]
+        assert len(run) == WARMUP_STEPS_PER_KIND and len(set(run)) == 1, run  # a run of one kind, its last timed
+        (rows, _, k), detached, sampled, ahead = run[0]
+        assert (rows, k, detached, sampled) == key and ahead == max(k, 1)
+        before = last - WARMUP_STEPS_PER_KIND
+        assert before < 0 or calls[before] != run[0]  # (the run starts right after another kind)
 
 
 def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(target_dir, draft_dir):

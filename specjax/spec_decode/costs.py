@@ -43,7 +43,10 @@ class CostModel:
     bucket that does more work. ``sampled``: some row samples (the sampler's random path, dearer than argmax,
     runs only then).
 
-    A kind measured in real steps costs the median of its recent ones. Warmup measures every kind on
+    A kind measured in real steps costs the median of its recent ones; a drafting kind with fewer than
+    ``RELATION_MIN_STEPS`` of them no more than its scaled warmup time (below): timing noise is one-sided, and a
+    kind chosen seldom (an explored neighbour) would otherwise be kept dear by one slow step and never chosen to be
+    measured again. Warmup measures every kind on
     all-padding rows, which do not cost what real rows cost (they all read one KV block; measured 1.6x faster
     at 32 rows, slower at 1); a kind not yet seen in real steps costs its warmup time scaled by the real /
     warmup ratio of the kinds of its bucket that were (else a kind the controller keeps choosing would be
