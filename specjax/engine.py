@@ -111,7 +111,7 @@ class Engine:
             # measurement of several kinds, not on all of one kind's (the cost is their median). In each, a kind
             # runs WARMUP_STEPS_PER_KIND steps in a row and the last counts: a kind's cost is what a step costs
             # in a run of it (see CostModel), and steps right after another kind ran cold, the cheap kinds most
-            # (SmolLM2 with its EAGLE-3 head at batch 1, greedy, four fresh processes each: one step per round
+            # (SmolLM2 with its EAGLE-3 head at batch 1, greedy, means over fresh processes: one step per round
             # put K = 1 at 1.14x the target alone and K = 2 at 1.40x, four 1.33x and 1.57x; real steps 1.37x
             # and 1.66x).
             kinds = self._step_kinds(buckets)
@@ -340,7 +340,7 @@ class Engine:
             # A chained proposer's step costs its K's verify and its drafts ahead; the kind K is what a run of K
             # costs, drafting K ahead (as warmup times it). A step growing or shrinking the drafts ahead costs
             # another K's drafts: it would pollute this K's cost (eagle3 at batch 1, T 0.8: K = 1 steps drafting
-            # 3 ahead, before a K = 3 run, put K = 1 at 1.9 ms where a run of K = 1 costs 1.2).
+            # 3 ahead, before a K = 3 run, put K = 1 at 1.9 ms where a run of K = 1 costs ~1.3).
             if detached or not self.proposer.chained_drafts or ahead == max(k, 1):
                 self.controller.costs.observe((bucket[0], k, detached, sampled), done - run_start,
                                               switched=switched)

@@ -183,7 +183,7 @@ def test_a_chained_proposers_step_costs_count_only_steps_drafting_their_own_k_ah
                                                                                       plain):
     """A step of K whose head drafts other than max(K, 1) ahead (the next plan grows or shrinks K) does the
     head work of another kind: it is no measurement of K's cost. (eagle3 on the shipped pair, batch 1, T 0.8:
-    K = 1 steps drafting 3 ahead before a K = 3 run put K = 1 at 1.9 ms where a run of K = 1 costs 1.2.)"""
+    K = 1 steps drafting 3 ahead before a K = 3 run put K = 1 at 1.9 ms where a run of K = 1 costs ~1.3.)"""
     h, hp = _scaled_head("eagle3", target[0], seed=2)
     spec = {"method": "eagle3", "model": str(save_head(tmp_path / "eagle3", h, hp, dtype="float32")),
             "num_speculative_tokens": 3}

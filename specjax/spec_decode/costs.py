@@ -69,9 +69,10 @@ class CostModel:
 
     The host time per step outside both (scheduling, the caller's loop, the last step's bookkeeping: from one
     step's measurement to the next one's planning) is paid by every kind alike, and a plain step's share of it is
-    larger: the bucket's median is added to every kind's estimate (eagle3 at batch 1, T 0.8 on the shipped pair:
-    without it, drafting at K = 2 read 1.09x the target alone, short of the margin, where fixed K = 2 ran 1.2x
-    plain, and new requests were prefilled detached).
+    larger: the bucket's median is added to every kind's estimate. It is small (0.04-0.05 ms a step at batch 1
+    on the shipped target) but tips close comparisons: eagle3 at batch 1, T 0.8 had prefilled a request detached
+    with drafting at K = 2 estimated 1.09x the target alone's tokens per second, short of the 1.1x margin (1.12x
+    with it), where fixed K = 2 ran 1.2x plain.
 
     Measurements of a kind not chosen for ``max_age`` real steps of its bucket expire, so a kind measured in a
     slow moment is tried again. Its estimate is then its warmup time x the bucket's scale x the relation its
@@ -258,9 +259,8 @@ class CostModel:
         return _mean(self._planning.get((rows, sampled)))
 
     def observe_overhead(self, bucket: tuple, seconds: float) -> None:
-        """The host time between the last step's measurement and a decoding step's planning (or its compiled
-        call, where it plans nothing) of ``bucket`` = (rows, sampled): scheduling, the caller's loop, the last
-        step's bookkeeping."""
+        """The host time between the last step's measurement and the planning of a decoding step of ``bucket`` =
+        (rows, sampled): scheduling, the caller's loop, the last step's bookkeeping."""
         if self.frozen:
             return
         _entry(self._overhead, bucket, self._window).append(seconds)
