@@ -315,7 +315,7 @@ class Engine:
                   bucket_for(int(num_new.max()), cfg.length_buckets, "query_len"), k)
         batch = self.runner.host_batch(bucket)
         table = self.scheduler.slots
-        table.fill(batch, slots, starts, num_new,
+        table.fill(batch, self.runner.packed(batch), slots, starts, num_new,
                    np.asarray([len(r.request.output_token_ids) for r in rows], np.int64))
         batch.num_drafts[:n] = num_drafts
         if host_drafts is not None:
@@ -365,7 +365,8 @@ class Engine:
         for switched in (True, False):
             start = time.perf_counter()
             batch = self.runner.host_batch(bucket)
-            self.scheduler.slots.fill(batch, slots, starts, np.ones(n, np.int64), outputs)
+            self.scheduler.slots.fill(batch, self.runner.packed(batch), slots, starts, np.ones(n, np.int64),
+                                      outputs)
             batch.slots[:n] = -1
             batch.slot_mapping[:n] = -1
             batch.next_token[:n] = -1  # (it samples, as a decoding row does)

@@ -15,7 +15,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specjax.step import MAX_BIAS, MAX_STOP_IDS, StepBatch
+from specjax.step import PackedBatch, StepBatch, host_buffers
+
+_REQUEST_FIELDS = ("temperature", "top_k", "top_p", "seed_streams", "seeds", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "bias_ids", "bias_values", "min_tokens", "stop_ids",
+                   "prompt_len", "num_logprobs")
+"""The StepBatch fields a slot's request fixes when it is assigned (besides its block table)."""
 
 
 class SlotTable:
@@ -26,24 +31,18 @@ class SlotTable:
         self.tokens = np.zeros((num_slots, max_model_len), np.int32)
         """int32 [S, max_model_len]: prompt + committed output of the slot's request."""
         self.num_tokens = np.zeros((num_slots,), np.int64)
-        self.block_table = np.full((num_slots, blocks_per_seq), -1, np.int32)
-        """int32 [S, M]: the slot's KV blocks in order; -1 = unused."""
         self.num_blocks = np.zeros((num_slots,), np.int64)
-        self.temperature = np.zeros((num_slots,), np.float32)
-        self.top_k = np.zeros((num_slots,), np.int32)
-        self.top_p = np.ones((num_slots,), np.float32)
-        self.seed_streams = np.zeros((num_slots,), np.uint32)
-        self.seeds = np.zeros((num_slots,), np.uint32)
-        self.min_p = np.zeros((num_slots,), np.float32)
-        self.presence_penalty = np.zeros((num_slots,), np.float32)
-        self.frequency_penalty = np.zeros((num_slots,), np.float32)
-        self.repetition_penalty = np.ones((num_slots,), np.float32)
-        self.bias_ids = np.full((num_slots, MAX_BIAS), -1, np.int32)
-        self.bias_values = np.zeros((num_slots, MAX_BIAS), np.float32)
-        self.min_tokens = np.zeros((num_slots,), np.int32)
-        self.stop_ids = np.full((num_slots, MAX_STOP_IDS), -1, np.int32)
-        self.prompt_len = np.zeros((num_slots,), np.int32)
-        self.num_logprobs = np.full((num_slots,), -1, np.int32)
+        fields, record = host_buffers(num_slots, 1, 0, blocks_per_seq)
+        self.record = record.rows
+        """int32 [S, C]: each slot's row of a step's ``PackedBatch.rows``: its request's fields (block table,
+        sampling parameters) as a step takes them, the per-step fields left at their padding values. A step
+        copies its rows' records whole (one gather; a gather per field cost ~0.15 ms a step at batch 1, right
+        after a step's compiled call), then writes the per-step fields. The per-field arrays below are views
+        into it."""
+        self.block_table = fields.block_tables
+        """int32 [S, M]: the slot's KV blocks in order; -1 = unused."""
+        for name in _REQUEST_FIELDS:
+            setattr(self, name, getattr(fields, name))
         self.fresh = np.zeros((num_slots,), bool)
         """The slot was (re)assigned and no step has run it yet: its device statistics must start over."""
         self.ready_drafts = np.zeros((num_slots,), np.int32)
@@ -114,39 +113,38 @@ class SlotTable:
         """The slot's prompt + committed output (a view: valid until the next append)."""
         return self.tokens[slot, : self.num_tokens[slot]]
 
-    def fill(self, batch: StepBatch, slots: np.ndarray, starts: np.ndarray, num_new: np.ndarray,
-             num_outputs: np.ndarray) -> None:
-        """Write ``len(slots)`` rows into the padded host ``batch`` (rows past them stay padding).
+    def fill(self, batch: StepBatch, packed: PackedBatch, slots: np.ndarray, starts: np.ndarray,
+             num_new: np.ndarray, num_outputs: np.ndarray) -> None:
+        """Write ``len(slots)`` rows into a padded host step (rows past them stay padding): ``packed`` the
+        arrays it is made of and ``batch`` its fields' views (``specjax.step.host_buffers``).
 
         slots / starts / num_new / num_outputs: int [R]: each row's slot, first position of its chunk,
-        chunk length and committed output count (keys its noise).
+        chunk length and committed output count (keys its noise). The rows' ``num_drafts``, ``host_drafts``,
+        ``attached`` and ``draft_ahead`` stay at their padding values (the engine's plan sets them).
         """
+        # Few numpy calls: right after a step's compiled call each costs several times what it costs warm.
         r = len(slots)
-        t = batch.tokens.shape[1]
-        j = np.arange(t)
-        in_chunk = j[None, :] < num_new[:, None]  # [R, T]
-        pos = starts[:, None] + j[None, :]  # [R, T]
-        safe_pos = np.where(in_chunk, pos, 0)
-        bs = self.block_size
-        blocks = self.block_table[slots[:, None], safe_pos // bs]  # [R, T]
-        batch.tokens[:r] = np.where(in_chunk, self.tokens[slots[:, None], safe_pos], 0)
-        batch.positions[:r] = safe_pos
-        batch.slot_mapping[:r] = np.where(in_chunk, blocks * bs + safe_pos % bs, -1)
-        batch.block_tables[:r] = self.block_table[slots]
+        np.take(self.record, slots, axis=0, out=packed.rows[:r])
+        t = packed.window.shape[2]
+        bs, tokens = self.block_size, self.tokens
+        if t == 1:  # decoding rows (and one-token prefill chunks): the common step, without [R, T] masks
+            window = packed.window[:r, :, 0]  # [R, 3]
+            window[:, 0] = tokens[slots, starts]
+            window[:, 1] = starts
+            window[:, 2] = self.block_table[slots, starts // bs] * bs + starts % bs
+        else:
+            j = np.arange(t)
+            in_chunk = j[None, :] < num_new[:, None]  # [R, T]
+            pos = np.where(in_chunk, starts[:, None] + j[None, :], 0)  # [R, T]
+            window = packed.window[:r]  # [R, 3, T]
+            window[:, 0] = np.where(in_chunk, tokens[slots[:, None], pos], 0)
+            window[:, 1] = pos
+            window[:, 2] = np.where(in_chunk, self.block_table[slots[:, None], pos // bs] * bs + pos % bs, -1)
         batch.last_index[:r] = num_new - 1
         batch.slots[:r] = slots
-        batch.prev_token[:r] = np.where(starts > 0, self.tokens[slots, np.maximum(starts - 1, 0)], -1)
+        batch.prev_token[:r] = np.where(starts > 0, tokens[slots, starts - 1], -1)  # (index -1: row's last, unused)
         end = starts + num_new
-        prefilling = end < self.num_tokens[slots]
-        batch.next_token[:r] = np.where(prefilling, self.tokens[slots, np.where(prefilling, end, 0)], -1)
-        batch.temperature[:r] = self.temperature[slots]
-        batch.top_k[:r] = self.top_k[slots]
-        batch.top_p[:r] = self.top_p[slots]
-        batch.seed_streams[:r] = self.seed_streams[slots]
-        batch.seeds[:r] = self.seeds[slots]
+        batch.next_token[:r] = np.where(end < self.num_tokens[slots], tokens[slots, end % tokens.shape[1]], -1)
         batch.sample_indices[:r] = num_outputs
-        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "bias_ids",
-                     "bias_values", "min_tokens", "stop_ids", "prompt_len", "num_logprobs"):
-            getattr(batch, name)[:r] = getattr(self, name)[slots]
         batch.reset[:r] = self.fresh[slots]
         self.fresh[slots] = False

@@ -136,7 +136,7 @@ class StepRunner:
         params, state, batch = self._example_args(bucket)
         return (params[0], None), state.replace(proposer=None), batch
 
-    def _packed(self, batch: StepBatch) -> PackedBatch:
+    def packed(self, batch: StepBatch) -> PackedBatch:
         """The packed arrays ``batch`` views (a :meth:`host_batch`), else a packed copy of it."""
         buffers = self._host_batches.get(_bucket_of(batch))
         return buffers[1] if buffers is not None and buffers[0] is batch else pack(batch)
@@ -148,7 +148,7 @@ class StepRunner:
         proposer's state untouched.
         """
         compiles = self.num_compiles
-        packed = self._packed(batch)
+        packed = self.packed(batch)
         bucket = _bucket_of(batch)
         if self.profile:
             out = self._run_phases(packed)

@@ -186,3 +186,66 @@ def test_packed_batch_round_trips_every_field_and_host_views_write_through():
         getattr(views, name)[...] = want
     for got, want in zip(jax.tree.leaves(buffers), jax.tree.leaves(packed)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("length", [1, 8])
+def test_slot_table_fills_a_step_as_each_request_and_chunk_define_it(length):
+    """``SlotTable.fill`` (one gather of per-slot records) writes each row as its request and chunk define it,
+    field by field from a per-row reference, and leaves the rows past them padding."""
+    from specjax.input_batch import SlotTable
+    from specjax.scheduler import Request
+    from specjax.step import StepBatch, host_buffers
+
+    bs, blocks, max_len = 4, 6, 24
+    table = SlotTable(3, max_len, bs, blocks)
+    params = [specjax.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+                                     frequency_penalty=0.25, repetition_penalty=1.3, min_tokens=2, logprobs=3,
+                                     seed=11),
+              specjax.SamplingParams(temperature=0.0, max_tokens=7)]
+    requests = []
+    for i, (p, prompt) in enumerate(zip(params, ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 7, 8]))):
+        r = Request(request_id=str(i), prompt_token_ids=prompt, params=p, seed=100 + i, seed_stream=i,
+                    stop_ids=frozenset({2, 9}) if i == 0 else frozenset(), logit_bias=((4, 6), (1.5, -np.inf)))
+        r.output_token_ids = [11, 12, 13] if i == 1 else []
+        table.release(r)  # (no slot yet: a no-op)
+        requests.append(r)
+    table.assign(requests[1])
+    table.assign(requests[0])  # slots in the order rows will not have
+    for r, owned in zip(requests, ([10, 11, 12], [20, 21])):
+        table.sync_blocks(r.slot, owned)
+    history = [r.prompt_token_ids + r.output_token_ids for r in requests]
+    # Row 0 prefills positions 5.. of its prompt (chunked at ``length``), row 1 decodes its last token (position 5).
+    starts = np.array([5, len(history[1]) - 1])
+    num_new = np.array([min(length, 4), 1])
+    slots = np.array([r.slot for r in requests])
+    outputs = np.array([len(r.output_token_ids) for r in requests])
+    views, packed = host_buffers(3, length, 2, blocks)
+    table.fill(views, packed, slots, starts, num_new, outputs)
+
+    want = StepBatch.zeros(3, length, 2, blocks)
+    for i, (r, hist, owned) in enumerate(zip(requests, history, ([10, 11, 12], [20, 21]))):
+        p = r.params
+        for j in range(num_new[i]):
+            pos = starts[i] + j
+            want.tokens[i, j], want.positions[i, j] = hist[pos], pos
+            want.slot_mapping[i, j] = owned[pos // bs] * bs + pos % bs
+        want.block_tables[i, : len(owned)] = owned
+        want.last_index[i], want.slots[i] = num_new[i] - 1, r.slot
+        end = starts[i] + num_new[i]
+        want.prev_token[i] = hist[starts[i] - 1]
+        want.next_token[i] = hist[end] if end < len(hist) else -1
+        want.temperature[i], want.top_k[i], want.top_p[i] = p.temperature, p.top_k_or_off, p.top_p
+        want.seed_streams[i], want.seeds[i], want.sample_indices[i] = i, 100 + i, outputs[i]
+        want.min_p[i], want.presence_penalty[i] = p.min_p, p.presence_penalty
+        want.frequency_penalty[i], want.repetition_penalty[i] = p.frequency_penalty, p.repetition_penalty
+        want.bias_ids[i, :2], want.bias_values[i, :2] = (4, 6), (1.5, -np.inf)
+        want.min_tokens[i] = p.min_tokens
+        if p.min_tokens:
+            want.stop_ids[i, :2] = (2, 9)
+        want.prompt_len[i], want.reset[i] = len(r.prompt_token_ids), True
+        want.num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
+    for name, expected in vars(want).items():
+        np.testing.assert_array_equal(getattr(views, name), expected, err_msg=name)
+    # A second step of the same rows: the slots are no longer fresh.
+    table.fill(views, packed, slots, starts, num_new, outputs)
+    assert not views.reset.any()
