@@ -72,6 +72,17 @@ def test_a_closed_batch_drafting_pays_what_its_simulated_drain_pays(rows):
         assert gains[2] < reach[0] + reach[1] - 0.1
 
 
+def test_one_row_drains_as_it_does_beside_a_row_that_never_ends_the_drain():
+    # A finished row beside it (no tokens left, no drafts) changes nothing, and takes the general path.
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        reach = list(np.cumprod(rng.uniform(0.2, 1.0, K)))
+        cap, left = int(rng.integers(1, K + 1)), int(rng.integers(8, 200))
+        alone = drain_gains([reach], [cap], [left], K)
+        beside = drain_gains([reach, reach], [cap, 0], [left, 0], K)
+        assert alone == pytest.approx(beside, rel=1e-12, abs=1e-12)
+
+
 def test_rows_behind_a_row_without_drafts_gain_nothing_and_a_row_ahead_gains_its_lead():
     reach = [[0.9, 0.81, 0.73, 0.66]] * 2
     assert drain_gains(reach, [K, 0], [30, 30], K)[1:] == [0.0] * K  # the drain ends with the plain row

@@ -96,6 +96,11 @@ def drain_gains(reach: list[list[float]], cap_row: list[int], remaining: list[in
     drafting = [r for r, c in enumerate(cap_row) if c > 0]
     if not drafting:
         return [0.0] + [math.nan] * k_max
+    if len(cap_row) == 1:
+        # One row: the drain is its own tokens, and a step takes off it just the drafts it accepts (a single
+        # row has no luck against others). The same gains as below without the work: plans are made every few
+        # steps at batch 1, where the general path took ~40 us of a ~2.8 ms step.
+        return expected_accepted_sums(reach, cap_row, k_max)
     n = len(drafting)
     mean_reach = [sum(reach[r][j] for r in drafting) / n for j in range(k_max)]
     last_drafting = max(remaining[r] for r in drafting)
