@@ -27,6 +27,10 @@ from specjax.step import unpack
 
 WARMUP_STEPS_PER_KIND = 4
 """Consecutive all-padding steps of each kind per warmup timing round; the last is timed (see Engine.warmup)."""
+WARMUP_ROUNDS = (3, 12)
+"""Warmup timing rounds over a row bucket's step kinds: at least, and at most (see WARMUP_TIMING_SECONDS)."""
+WARMUP_TIMING_SECONDS = 0.5
+"""A row bucket's warmup timing runs rounds beyond the least while its rounds so far took less than this."""
 
 
 @dataclasses.dataclass
@@ -114,15 +118,26 @@ class Engine:
             # (SmolLM2 with its EAGLE-3 head at batch 1, greedy, means over fresh processes: one step per round
             # put K = 1 at 1.14x the target alone and K = 2 at 1.40x, four 1.33x and 1.57x; real steps 1.37x
             # and 1.66x).
-            kinds = self._step_kinds(buckets)
-            for _ in range(3):
-                for (rows, length, k), detached in kinds:
-                    for sampled in (False, True):
-                        step = functools.partial(self.runner.time_step, (rows, length, k), detached, sampled,
-                                                 repeats=1, draft_ahead=max(k, 1))
-                        for _ in range(WARMUP_STEPS_PER_KIND - 1):
-                            step()
-                        self.controller.costs.observe((rows, k, detached, sampled), step(), warmup=True)
+            # A row bucket gets WARMUP_ROUNDS[0] rounds, and more (up to WARMUP_ROUNDS[1]) while its rounds so far
+            # took less than WARMUP_TIMING_SECONDS: one step's time varies by 10-20% (interquartile range / median,
+            # shipped pair, eagle3 at batch 1 on this project's 2-core machine), so the median of three rounds may
+            # put a kind 20-30% off and the controller then never chooses it to find out; cheap buckets afford more.
+            by_rows: dict[int, list] = {}
+            for kind in self._step_kinds(buckets):
+                by_rows.setdefault(kind[0][0], []).append(kind)
+            least, most = WARMUP_ROUNDS
+            for kinds in by_rows.values():
+                start = time.perf_counter()
+                for done in range(most):
+                    if done >= least and time.perf_counter() - start > WARMUP_TIMING_SECONDS:
+                        break
+                    for (rows, length, k), detached in kinds:
+                        for sampled in (False, True):
+                            step = functools.partial(self.runner.time_step, (rows, length, k), detached, sampled,
+                                                     repeats=1, draft_ahead=max(k, 1))
+                            for _ in range(WARMUP_STEPS_PER_KIND - 1):
+                                step()
+                            self.controller.costs.observe((rows, k, detached, sampled), step(), warmup=True)
 
     # ------------------------------------------------------------------ requests
 

@@ -1,5 +1,6 @@
 """The adaptive speculation-length controller: decisions on fake costs and acceptance, then in the engine."""
 
+import collections
 import copy
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 import specjax
 from specjax.buckets import count_compiles
 from specjax.spec_decode.controller import LEARN_DRAFTS_PER_REQUEST, ControllerConfig, SpeculationController
-from specjax.engine import WARMUP_STEPS_PER_KIND
+from specjax.engine import WARMUP_ROUNDS, WARMUP_STEPS_PER_KIND
 from specjax.spec_decode.costs import RELATION_MIN_STEPS
 from specjax.spec_decode.plan import RowCaps
 from tiny_models import make_tiny_checkpoint
@@ -761,7 +762,10 @@ def test_warmup_times_each_step_kind_in_a_run_of_it(target_dir, draft_dir):
     costs.observe = lambda key, seconds, **kw: (seen.append((key, seconds, kw)), real_observe(key, seconds, **kw))
     llm.engine.warmup(progress=False)
     kinds = {(b[0], b[2], d, smp) for b, d, smp, _ in calls}
-    assert len(seen) == 3 * len(kinds) and {key for key, _, _ in seen} == kinds  # three rounds over every kind
+    # Steps that take no time: the most rounds over every kind of each row bucket, one bucket after another.
+    most = WARMUP_ROUNDS[1]
+    assert len(seen) == most * len(kinds) and {key for key, _, _ in seen} == kinds
+    assert [key[0] for key, _, _ in seen] == sorted(key[0] for key, _, _ in seen)
     for key, seconds, kw in seen:
         assert kw == {"warmup": True}
         last = int(seconds) - 1  # the timed step
@@ -771,6 +775,23 @@ def test_warmup_times_each_step_kind_in_a_run_of_it(target_dir, draft_dir):
         assert (rows, k, detached, sampled) == key and ahead == max(k, 1)
         before = last - WARMUP_STEPS_PER_KIND
         assert before < 0 or calls[before] != run[0]  # (the run starts right after another kind)
+
+
+def test_warmup_times_a_row_bucket_beyond_the_least_rounds_only_within_its_time_budget(target_dir, draft_dir,
+                                                                                     monkeypatch):
+    import specjax.engine as engine_module
+
+    llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2},
+                      warmup=False, **KW)
+    llm.runner.warmup = lambda *a, **kw: None  # (compiling is not what this checks)
+    llm.runner.time_step = lambda *a, **kw: 1e-3
+    for budget, rounds in ((0.0, WARMUP_ROUNDS[0]), (3600.0, WARMUP_ROUNDS[1])):
+        monkeypatch.setattr(engine_module, "WARMUP_TIMING_SECONDS", budget)
+        seen = collections.Counter()
+        llm.engine.controller.costs.observe = lambda key, seconds, seen=seen, **kw: seen.update([key])
+        llm.engine.warmup(progress=False)
+        assert len({key[0] for key in seen}) == len(llm.engine.config.row_buckets) > 1
+        assert set(seen.values()) == {rounds}  # every kind of every row bucket
 
 
 def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(target_dir, draft_dir):
