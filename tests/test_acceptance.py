@@ -52,6 +52,26 @@ def test_a_request_whose_first_drafts_fail_stays_near_the_method_when_requests_d
     assert c.as_dict()["prior_strength"]["sampled"] > 32 and c.as_dict()["prior_strength"]["greedy"] == 4.0
 
 
+def test_sampled_requests_weigh_the_method_more_than_greedy_ones_until_enough_finished():
+    cfg = ControllerConfig()
+    c = SpeculationController(4, cfg, can_detach=False)
+    for sampled in (False, True):
+        for i in range(MIN_REQUESTS_FOR_SPREAD - 1):  # finished requests: not yet enough for their spread
+            for _ in range(10):
+                c.observe(f"old{i}{sampled}", sampled, 4, 3)  # 3 of 4 accepted: position 1 always
+            c.finish(f"old{i}{sampled}")
+        for _ in range(3):
+            c.observe(f"new{sampled}", sampled, 4, 0)  # its first three drafts rejected
+    for sampled, m in ((False, cfg.prior_strength), (True, cfg.sampled_prior_strength)):
+        method = c.conditional_acceptance("other", sampled)[0]  # the method's estimate (no drafts of its own)
+        assert c.conditional_acceptance(f"new{sampled}", sampled)[0] == pytest.approx(m * method / (3 + m))
+    assert c.as_dict()["prior_strength"] == {"greedy": cfg.prior_strength, "sampled": cfg.sampled_prior_strength}
+    for _ in range(10):
+        c.observe("last", True, 4, 0)
+    c.finish("last")  # the 8th sampled request: their spread decides (they differ a lot: 0.75 vs 0)
+    assert c.as_dict()["prior_strength"]["sampled"] == cfg.prior_strength
+
+
 # --------------------------------------------------------------------------- a proposer's measured prior
 
 def _prior(greedy, sampled=None, target="builtin:target"):

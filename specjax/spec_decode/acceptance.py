@@ -76,15 +76,16 @@ MIN_REQUESTS_FOR_SPREAD = 8
 """Finished requests (with drafts verified) before their spread sets the prior's strength."""
 
 
-def prior_strength(requests: list[tuple[int, int]], floor: float, ceiling: float) -> float:
+def prior_strength(requests: list[tuple[int, int]], floor: float, ceiling: float,
+                   initial: float | None = None) -> float:
     """How many pseudo-observations of the method's average acceptance a request's own estimate should weigh,
     from finished requests' (accepted, tried) drafts (empirical Bayes, by moments): chance alone spreads their
     rates by about ``p (1 - p) / tried`` around the method's ``p``; the spread beyond that, ``s^2``, is how much
     requests really differ, and a Beta prior with that spread weighs ``p (1 - p) / s^2 - 1`` observations.
-    Within ``[floor, ceiling]``; ``floor`` until ``MIN_REQUESTS_FOR_SPREAD`` requests."""
+    Within ``[floor, ceiling]``; ``initial`` (default ``floor``) until ``MIN_REQUESTS_FOR_SPREAD`` requests."""
     rows = [(a, t) for a, t in requests if t > 0]
     if len(rows) < MIN_REQUESTS_FOR_SPREAD:
-        return floor
+        return floor if initial is None else initial
     p = sum(a for a, _ in rows) / sum(t for _, t in rows)
     if not 0.0 < p < 1.0:
         return ceiling  # every draft accepted, or none: requests do not differ

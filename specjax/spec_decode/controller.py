@@ -65,7 +65,8 @@ class SpeculationController:
         self._request_stats: dict[str, AcceptanceStats] = {}
         self._finished = {False: collections.deque(maxlen=64), True: collections.deque(maxlen=64)}  # sampled ->
         # finished requests' (accepted, tried) drafts
-        self._strength = {False: config.prior_strength, True: config.prior_strength}  # see max_prior_strength
+        self._strength = {False: config.prior_strength, True: config.sampled_prior_strength}  # see
+        # max_prior_strength
         self._idle_steps: dict[str, int] = {}
         self._probe_wait: dict[str, int] = {}
         self._detach_votes = 0
@@ -147,7 +148,9 @@ class SpeculationController:
             done = self._finished[s.sampled]
             done.append((sum(s.accepted), sum(s.tried)))
             cfg = self.config
-            self._strength[s.sampled] = prior_strength(list(done), cfg.prior_strength, cfg.max_prior_strength)
+            initial = cfg.sampled_prior_strength if s.sampled else cfg.prior_strength
+            self._strength[s.sampled] = prior_strength(list(done), cfg.prior_strength, cfg.max_prior_strength,
+                                                       initial)
         self._idle_steps.pop(request_id, None)
         self._probe_wait.pop(request_id, None)
 
