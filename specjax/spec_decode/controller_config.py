@@ -28,8 +28,9 @@ class ControllerConfig:
     one's a lot: over 24 held-out prompts x 128 tokens on the shipped pair (fixed K = 4, traces scored offline),
     predicting each step's acceptance per position from the request's earlier steps, the log-loss was least at
     32-256 pseudo-observations for T 0.8 (4: 0.017-0.021 nats an observation worse than the method's average
-    alone), at 2-4 for greedy (0.05-0.085 better than it). With 4, one eagle3 request at batch 1, T 0.8 whose first
-    drafts failed drafted K = 1 for most of its steps, where fixed K = 3 is the fastest."""
+    alone), at 2-4 for greedy (0.05-0.085 better than it; ``benchmarks/bench_acceptance_weight.py``). With 4, an
+    eagle3 request at batch 1, T 0.8 whose first drafts failed drafted K = 1 for most of its steps (its estimate
+    at position 1 0.33-0.64, the method's 0.68), where fixed K = 3 is the fastest."""
     initial_acceptance: float = 0.6
     """Per-position conditional acceptance assumed before any draft of the method was verified (and no measured
     prior came with the proposer)."""
