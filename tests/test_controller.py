@@ -785,6 +785,7 @@ def test_warmup_times_a_row_bucket_beyond_the_least_rounds_only_within_its_time_
                       warmup=False, **KW)
     llm.runner.warmup = lambda *a, **kw: None  # (compiling is not what this checks)
     llm.runner.time_step = lambda *a, **kw: 1e-3
+    assert WARMUP_ROUNDS[0] < WARMUP_ROUNDS[1]
     for budget, rounds in ((0.0, WARMUP_ROUNDS[0]), (3600.0, WARMUP_ROUNDS[1])):
         monkeypatch.setattr(engine_module, "WARMUP_TIMING_SECONDS", budget)
         seen = collections.Counter()
