@@ -711,6 +711,10 @@ def test_config_errors_name_the_field():
         ControllerConfig(max_planning_share=-0.1)
     with pytest.raises(ValueError, match="max_prior_strength"):
         ControllerConfig(prior_strength=8.0, max_prior_strength=4.0)
+    with pytest.raises(ValueError, match="sampled_prior_strength"):
+        ControllerConfig(sampled_prior_strength=-1.0)
+    with pytest.raises(ValueError, match="sampled_prior_strength"):
+        ControllerConfig(sampled_prior_strength=128.0)  # above max_prior_strength (64)
     with pytest.raises(ValueError, match="adaptive"):
         specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive="yes")
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
