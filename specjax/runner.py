@@ -8,7 +8,6 @@ compiled executable per bucket (rows, query length, K); the host loop that drive
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 
@@ -56,7 +55,7 @@ class StepRunner:
         kv = plan.kv(model_config)
         self.state_shardings = DecodeState(target_kv=kv, proposer=proposer.state_shardings(plan),
                                            sampling=plan.replicated)
-        self.state = DecodeState(
+        state = DecodeState(
             target_kv=KVCache.allocate(
                 num_layers=model_config.num_hidden_layers, num_blocks=cfg.total_kv_blocks,
                 block_size=cfg.block_size, num_kv_heads=model_config.num_key_value_heads,
@@ -72,15 +71,19 @@ class StepRunner:
         self.spec = StepSpec(config=model_config, proposer=proposer, method=method, rates=rates,
                              use_kernel=default_use_kernel())
         rows = plan.rows
+        # the decode state as the compiled steps take and return it (the `state` property assembles it)
+        self._state_leaves, self._state_def = jax.tree.flatten(state)
+        # positions in _state_leaves of a detached step's state (the proposer's leaves left out)
+        numbered = jax.tree.unflatten(self._state_def, range(len(self._state_leaves)))
+        self._detached_state_index = jax.tree.leaves(numbered.replace(proposer=None))
+        batch_example = self._example_batch((1, 1, 0))
 
-        def compiled(name: str, spec: StepSpec, param_shardings, state_shardings, example_args) -> CompiledBuckets:
-            jitted = jax.jit(functools.partial(decode_step, spec), donate_argnums=(1,),
-                             in_shardings=(param_shardings, state_shardings, rows),
-                             out_shardings=(rows, state_shardings))
-            return CompiledBuckets(name, jitted, example_args)
+        def compiled(name: str, spec: StepSpec, trees, shardings, example_args) -> CompiledBuckets:
+            return CompiledBuckets(name, flat_step(spec, trees, shardings), example_args)
 
-        self.executables = compiled("decode_step", self.spec, self.param_shardings, self.state_shardings,
-                                    self._example_args)
+        self.executables = compiled(
+            "decode_step", self.spec, (self.params, self.state, batch_example),
+            (self.param_shardings, self.state_shardings, rows), self._example_args)
         self.detached_executables: CompiledBuckets | None = None
         """Detached steps of a proposer that ``syncs``: the plain target step, given neither the proposer's
         parameters nor its state. The attached executable could skip the proposer itself (it does for
@@ -88,8 +91,10 @@ class StepRunner:
         EAGLE-3 pair at batch 8, 3.75 ms a step vs 3.50 ms (plain decoding's 3.40 ms)."""
         if proposer.syncs:
             self.detached_executables = compiled(
-                "detached_step", dataclasses.replace(self.spec, proposer=Proposer()), (target_shardings, None),
-                self.state_shardings.replace(proposer=None), self._detached_example_args)
+                "detached_step", dataclasses.replace(self.spec, proposer=Proposer()),
+                ((self.params[0], None), self.state.replace(proposer=None), batch_example),
+                ((target_shardings, None), self.state_shardings.replace(proposer=None), rows),
+                self._detached_example_args)
         self._host_batches: dict[Bucket, tuple[StepBatch, PackedBatch, PackedBatch]] = {}
         # per bucket: (field views, the packed buffers they view, the packed padding to reset them from)
         self.compiled_last_run = False
@@ -128,13 +133,39 @@ class StepRunner:
             buf[...] = pad
         return views
 
-    def _example_args(self, bucket: Bucket):
-        rows, length, k = bucket
-        return self.params, self.state, pack(StepBatch.zeros(rows, length, k, self.engine_config.blocks_per_seq))
+    @property
+    def params(self) -> tuple:
+        """(target parameters, proposer parameters), as the device holds them."""
+        return self._params
 
-    def _detached_example_args(self, bucket: Bucket):
-        params, state, batch = self._example_args(bucket)
-        return (params[0], None), state.replace(proposer=None), batch
+    @params.setter
+    def params(self, params: tuple) -> None:
+        self._params = params
+        self._param_leaves = jax.tree.leaves(params)  # what a step call passes
+        self._target_param_leaves = jax.tree.leaves(params[0])
+
+    @property
+    def state(self) -> DecodeState:
+        """The decode state (assembled from the leaves the compiled steps take and return)."""
+        return jax.tree.unflatten(self._state_def, self._state_leaves)
+
+    @state.setter
+    def state(self, state: DecodeState) -> None:
+        leaves, treedef = jax.tree.flatten(state)
+        if treedef != self._state_def:
+            raise ValueError(f"state: expected the structure {self._state_def}, got {treedef}")
+        self._state_leaves = leaves
+
+    def _example_batch(self, bucket: Bucket) -> PackedBatch:
+        rows, length, k = bucket
+        return pack(StepBatch.zeros(rows, length, k, self.engine_config.blocks_per_seq))
+
+    def _example_args(self, bucket: Bucket) -> list:
+        return [*self._param_leaves, *self._state_leaves, *jax.tree.leaves(self._example_batch(bucket))]
+
+    def _detached_example_args(self, bucket: Bucket) -> list:
+        state = [self._state_leaves[i] for i in self._detached_state_index]
+        return [*self._target_param_leaves, *state, *jax.tree.leaves(self._example_batch(bucket))]
 
     def packed(self, batch: StepBatch) -> PackedBatch:
         """The packed arrays ``batch`` views (a :meth:`host_batch`), else a packed copy of it."""
@@ -153,12 +184,13 @@ class StepRunner:
         if self.profile:
             out = self._run_phases(packed)
         elif self.detached_executables is not None and bucket[2] == 0 and not batch.attached.any():
-            exe, proposer_state = self.detached_executables.get(bucket), self.state.proposer
-            out, state = exe((self.params[0], None), self.state.replace(proposer=None), packed)
-            self.state = state.replace(proposer=proposer_state)
+            exe, state, index = self.detached_executables.get(bucket), self._state_leaves, self._detached_state_index
+            out, *new = exe(*self._target_param_leaves, *[state[i] for i in index], *jax.tree.leaves(packed))
+            for i, leaf in zip(index, new):
+                state[i] = leaf
         else:
             exe = self.executables.get(bucket)
-            out, self.state = exe(self.params, self.state, packed)
+            out, *self._state_leaves = exe(*self._param_leaves, *self._state_leaves, *jax.tree.leaves(packed))
         out = np.asarray(out)  # the step's one fetch (a no-op after _run_phases)
         self.compiled_last_run = self.num_compiles != compiles
         return out
@@ -239,6 +271,33 @@ class StepRunner:
     @property
     def _all_executables(self) -> list[CompiledBuckets]:
         return [e for e in (self.executables, self.detached_executables) if e is not None]
+
+
+def flat_step(spec: StepSpec, trees: tuple, shardings: tuple):
+    """``decode_step(spec, params, state, batch)`` jitted as a function of the leaves of ``trees`` (examples of
+    (params, state, batch)) that returns (out, *the new state's leaves), the state's leaves donated;
+    ``shardings`` are prefixes of ``trees`` (the batch's is also the output's).
+
+    Why leaves: a call's argument parsing flattens every pytree argument, and the parameters' nested dicts
+    (46 leaves on the shipped draft_model pair) cost ~40-50 us a step at batch 1 (their keys sorted, tree nodes
+    allocated); positional arrays cost a fraction of that.
+    """
+    defs = [jax.tree.structure(t) for t in trees]
+    ends = np.cumsum([d.num_leaves for d in defs]).tolist()
+    starts = [0, *ends[:-1]]
+
+    def step(*leaves):
+        params, state, batch = (jax.tree.unflatten(d, leaves[a:b]) for d, a, b in zip(defs, starts, ends))
+        out, state = decode_step(spec, params, state, batch)
+        return (out, *jax.tree.leaves(state))
+
+    def per_leaf(prefix, tree) -> list:
+        return jax.tree.leaves(jax.tree.broadcast(prefix, tree, is_leaf=lambda x: x is None))
+
+    in_shardings = [s for prefix, tree in zip(shardings, trees) for s in per_leaf(prefix, tree)]
+    out_shardings = (shardings[2], *per_leaf(shardings[1], trees[1]))
+    return jax.jit(step, donate_argnums=tuple(range(starts[1], ends[1])), in_shardings=tuple(in_shardings),
+                   out_shardings=out_shardings)
 
 
 def _bucket_of(batch: StepBatch) -> Bucket:
