@@ -86,8 +86,9 @@ class ControllerConfig:
     probe falls due, while detaching is being voted on, and when the rows change; where only a host lookup's
     misses kept the step from drafting, it holds only while such lookups seldom hit (``min_lookup_hits``)."""
     draft_replan_every: int = 4
-    """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), each
-    row drafting up to its cap, unless it probes, explores a neighbouring K, learns the method's acceptance,
+    """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), twice as
+    many for each plan in a row that made the same decision for the same rows (up to 4x), each row drafting up to
+    its cap, unless it probes, explores a neighbouring K, learns the method's acceptance,
     detaching is being voted on, or the drafts of several rows come from a host lookup (whether verifying what
     a lookup finds pays changes every step: ngram at batch 8 held such plans at 0.89x plain; one row's held
     step verifies what its lookup finds, up to the cap, or runs plain): planning is host work (5-13% of a
