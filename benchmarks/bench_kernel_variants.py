@@ -80,8 +80,8 @@ VARIANTS = {  # name -> [(source file, its text, replacement)]
     # bfloat16 weights widened by GCC's generic vector conversion, as before 2026-12-06 (with AVX-512 it made two
     # half-width widenings and three shuffles per vector; common.h now uses vpmovzxwd).
     "generic_bf16_widening": [
-        ("common.h", "#if defined(__AVX512F__)\n  return (fvec)_mm512_", "#if 0\n  return (fvec)_mm512_"),
-        ("common.h", "#elif defined(__AVX2__)\n  return (fvec)_mm256_", "#elif 0\n  return (fvec)_mm256_")],
+        ("common.h", "#if defined(__AVX512F__)\n  return (fvec)_mm512_slli", "#if 0\n  return (fvec)_mm512_slli"),
+        ("common.h", "#elif defined(__AVX2__)\n  return (fvec)_mm256_slli", "#elif 0\n  return (fvec)_mm256_slli")],
 }
 
 
