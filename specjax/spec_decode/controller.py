@@ -73,9 +73,8 @@ class SpeculationController:
         self._held_steps = 0  # decoding steps run on a held decision since the last plan
         self._held_plans = 0  # consecutive plans that held (for the same rows, ``_held_ids``) before this one
         self._held_ids: list[str] | None = None
-        self._draft_holds = 0  # consecutive drafting plans that held the same decision for the same rows before
-        # this one (``_draft_held``: their rows, K and caps)
-        self._draft_held: tuple | None = None
+        self._draft_held: tuple | None = None  # the last drafting plan's (rows, K, caps) if it held, and how many
+        self._draft_holds = 0  # plans in a row before it made the same one
         self._held_idle: list[str] = []  # the rows the held decision gave no drafts
         self.lookup_hit_rate = 1.0
         """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that drafted or
@@ -98,8 +97,7 @@ class SpeculationController:
     # ------------------------------------------------------------------ estimates
 
     def _prior(self, sampled: bool) -> tuple[list[float], list[float]]:
-        """([K_max] the method's conditional acceptance per position, [K_max] its running product), cached per
-        observation."""
+        """([K_max] the method's conditional acceptance per position, [K_max] its running product), cached."""
         s = self.method_stats[sampled]
         cached = self._priors.get(sampled)
         if cached is None or cached[0] != s.version:
@@ -311,15 +309,14 @@ class SpeculationController:
         return Decision(k=k, caps=np.array(caps, np.int32), detached=detached, hold=hold, held=held, ahead=ahead)
 
     def _draft_hold(self, request_ids: list[str], k: int, caps) -> int:
-        """Held steps of a drafting decision of K = ``k`` and ``caps`` [R] for ``request_ids``:
-        ``draft_replan_every - 1``, twice as many for each plan in a row that made the same decision for the same
-        rows (up to 4x): a full plan cost ~0.1 ms of host time every fourth step (shipped pair, draft_model at
-        batch 1, greedy: 43 us of planning a step against fixed K = 4's 10.5)."""
+        """Held steps of a drafting decision (K = ``k``, ``caps`` [R]) for ``request_ids``: ``draft_replan_every - 1``,
+        twice as many for each plan in a row that made it for the same rows (up to 4x). Planning every fourth step
+        cost 43 us a step against fixed K = 4's 10.5 (shipped pair, draft_model, batch 1 greedy)."""
         key = (request_ids, k, [int(c) for c in caps])
         self._draft_holds = self._draft_holds + 1 if key == self._draft_held else 0
         self._draft_held = key
         every = self.config.draft_replan_every
-        return (every << min(self._draft_holds, 2) if every > 1 else every) - 1
+        return (every << min(self._draft_holds, 2) if every > 1 else every) - 1  # (0 or 1: plan every step)
 
     def _ahead(self, rows: int, plan: RowCaps, k: int, cap_row: list[int]) -> int:
         """:attr:`Decision.ahead` of a step of K = ``k``: ``max(k, 1)``, or where the drafts ready held the rows
