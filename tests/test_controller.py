@@ -460,7 +460,6 @@ def test_holds_double_for_the_same_rows_up_to_8x_and_start_over_when_rows_change
     assert [_decide(c, 1, ["b"], [False], [K], [True]).hold for _ in range(2)] == [3, 7]
 
 
-
 def test_a_drafting_decision_repeated_for_the_same_rows_holds_twice_as_long_up_to_4x():
     c = _controller(FLAT, probe_every=0, draft_replan_every=4)
     _teach(c, "a", 0.9)
@@ -479,6 +478,7 @@ def test_a_drafting_decision_repeated_for_the_same_rows_holds_twice_as_long_up_t
         c = _controller(FLAT, probe_every=0, draft_replan_every=every)
         _teach(c, "a", 0.9)
         assert [_decide(c, 1, ["a"], [False], [K], [True]).hold for _ in range(4)] == [0, 0, 0, 0]
+
 
 def test_where_only_lookup_misses_keep_steps_plain_a_plan_is_held_once_lookups_seldom_hit():
     c = _controller({(2, k, False): 1.0 + 0.1 * k for k in range(K + 1)}, replan_every=4, min_lookup_hits=0.1)
