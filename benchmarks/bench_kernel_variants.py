@@ -146,6 +146,10 @@ def engine_steps(args, targets: dict) -> dict:
                 extra = {} if spec is None else {"speculative_config": {**spec, "num_speculative_tokens": 4,
                                                                         "adaptive": False}}
                 llms[variant, system] = specjax.LLM(model, **kw, **extra)
+                runner = llms[variant, system].engine.runner
+                text = (runner.detached_executables or runner.executables).get((1, 1, 0)).as_text()
+                if f'"{names[0]}"' not in text:
+                    raise SystemExit(f"{variant}: {system}'s step does not call {names[0]}")
         finally:
             build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = base
     names = list(targets)
