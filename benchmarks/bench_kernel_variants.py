@@ -147,7 +147,8 @@ def engine_steps(args, targets: dict) -> dict:
                                                                         "adaptive": False}}
                 llms[variant, system] = specjax.LLM(model, **kw, **extra)
                 runner = llms[variant, system].engine.runner
-                text = (runner.detached_executables or runner.executables).get((1, 1, 0)).as_text()
+                plain = runner.executables if runner.detached_executables is None else runner.detached_executables
+                text = plain.get((1, 1, 0)).as_text()
                 if f'"{names[0]}"' not in text:
                     raise SystemExit(f"{variant}: {system}'s step does not call {names[0]}")
         finally:

@@ -88,12 +88,11 @@ class ControllerConfig:
     draft_replan_every: int = 4
     """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), twice as
     many for each plan in a row that made the same decision for the same rows (up to 4x), each row drafting up to
-    its cap, unless it probes, explores a neighbouring K, learns the method's acceptance,
-    detaching is being voted on, or the drafts of several rows come from a host lookup (whether verifying what
-    a lookup finds pays changes every step: ngram at batch 8 held such plans at 0.89x plain; one row's held
-    step verifies what its lookup finds, up to the cap, or runs plain): planning is host work (5-13% of a
-    drafting step on the shipped target with numpy arithmetic), and a row's estimate moves little in a few
-    steps."""
+    its cap, unless it probes, explores a neighbouring K, learns the method's acceptance, detaching is being voted
+    on, or the drafts of several rows come from a host lookup (whether verifying what a lookup finds pays changes
+    every step: ngram at batch 8 held such plans at 0.89x plain; one row's held step verifies what its lookup
+    finds, up to the cap, or runs plain): planning is host work (5-13% of a drafting step on the shipped target
+    with numpy arithmetic), and a row's estimate moves little in a few steps."""
     explore_every: int = 16
     """Of the new requests whose prefill the controller would run detached, one per this many batches' worth
     (x 32 at batch 32) is prefilled attached and probes one draft in its first decoding step (0 = never): else
