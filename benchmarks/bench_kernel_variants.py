@@ -52,30 +52,30 @@ _RANGE = "    const int64_t t0 = split * kQueryTokens, t1 = std::min(s.T, t0 + k
 # they went when its tile became generic over weight formats. benchmarks/README.md keeps their results.)
 VARIANTS = {  # name -> [(source file, its text, replacement)]
     # The panel kernel before 2026-12-05 (a plain prefetch 2 KiB ahead).
-    "plain_prefetch_2k": [("panel_matmul.cc", _PREFETCH, _PLAIN),
-                          ("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
-    "plain_prefetch_4k": [("panel_matmul.cc", _PREFETCH, _PLAIN)],
+    "plain_prefetch_2k": [("panels.h", _PREFETCH, _PLAIN),
+                          ("panels.h", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
+    "plain_prefetch_4k": [("panels.h", _PREFETCH, _PLAIN)],
     # The non-temporal prefetch the kernel takes on AMD Zen (kPrefetchLocality), at 2, 4 and 8 KiB.
-    "nta_prefetch_2k": [("panel_matmul.cc", _PREFETCH, _NTA),
-                        ("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
-    "nta_prefetch_4k": [("panel_matmul.cc", _PREFETCH, _NTA)],
-    "nta_prefetch_8k": [("panel_matmul.cc", _PREFETCH, _NTA),
-                        ("panel_matmul.cc", "kPrefetchBytes = 4096;", "kPrefetchBytes = 8192;")],
-    "tasks_of_16_panels": [("panel_matmul.cc", "constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;",
+    "nta_prefetch_2k": [("panels.h", _PREFETCH, _NTA),
+                        ("panels.h", "kPrefetchBytes = 4096;", "kPrefetchBytes = 2048;")],
+    "nta_prefetch_4k": [("panels.h", _PREFETCH, _NTA)],
+    "nta_prefetch_8k": [("panels.h", _PREFETCH, _NTA),
+                        ("panels.h", "kPrefetchBytes = 4096;", "kPrefetchBytes = 8192;")],
+    "tasks_of_16_panels": [("panels.h", "constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;",
                             "constexpr int64_t kChunk = 16;")],
     # Attention: with fewer (row, kv head) tasks than twice the threads (batch 1: 3 kv heads on 2 threads),
     # split the query tokens evenly over one task each, so a verify's tokens spread over the threads.
     "attention_token_tasks": [
-        ("paged_attention.cc", _SPLITS,
+        ("attention.h", _SPLITS,
          "  const int64_t splits = s.B * s.G < 2 * pool.num_threads() ? s.T : (s.T + kQueryTokens - 1) / kQueryTokens;"),
-        ("paged_attention.cc", _RANGE,
+        ("attention.h", _RANGE,
          "    const int64_t t0 = split * s.T / splits, t1 = std::min(s.T, (split + 1) * s.T / splits);")],
     # The same with as few splits as make twice as many tasks as threads (batch 1, 3 kv heads: 2 splits).
     "attention_two_tasks_per_thread": [
-        ("paged_attention.cc", _SPLITS,
+        ("attention.h", _SPLITS,
          "  const int64_t want = (2 * pool.num_threads() + s.B * s.G - 1) / (s.B * s.G);\n"
          "  const int64_t splits = want > 1 ? std::min<int64_t>(s.T, want) : (s.T + kQueryTokens - 1) / kQueryTokens;"),
-        ("paged_attention.cc", _RANGE,
+        ("attention.h", _RANGE,
          "    const int64_t t0 = split * s.T / splits, t1 = std::min(s.T, (split + 1) * s.T / splits);")],
     # bfloat16 weights widened by GCC's generic vector conversion, as before 2026-12-06 (with AVX-512 it made two
     # half-width widenings and three shuffles per vector; common.h now uses vpmovzxwd).

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "panel_matmul.cc", HERE / "paged_attention.cc")
-HEADERS = (HERE / "common.h",)
+HEADERS = (HERE / "common.h", HERE / "panels.h", HERE / "attention.h")
 TARGET = "specjax_panel_matmul"
 """XLA custom-call target name of the panel matmul (what compiled HLO calls)."""
 ATTENTION_TARGET = "specjax_paged_attention"

@@ -112,6 +112,20 @@ SPECJAX_INLINE ivec DotBytes(ivec acc, uvec u, int32_t x4) {
 #endif
 }
 
+// exp(v) for v clamped to [-87, 88] (exp(-87) ~ 1.6e-38 stays a normal float): range reduction to 2^k * exp(r),
+// |r| <= ln2 / 2, and a degree-6 Taylor polynomial (truncation < 1e-7 relative, about float32 rounding), in plain
+// arithmetic the compiler vectorizes in a loop (with -fno-trapping-math, build.py: the clamps are vector max / min).
+SPECJAX_INLINE float Exp(float v) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  v = v > -87.f ? v : -87.f;
+  v = v < 88.f ? v : 88.f;
+  const float k = (v * kLog2e + kRound) - kRound;
+  const float r = (v - k * kLn2Hi) - k * kLn2Lo;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
+}
+
 // float16 bits -> float32 (exact; every float16 is a float32).
 SPECJAX_INLINE float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
@@ -169,8 +183,16 @@ SPECJAX_INLINE void TransposeBlock(fvec* v) {
   }
 }
 
-template <typename F>
-void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F task) {
+// A pool of one thread (the caller): ParallelFor(OneThread{}, ...) runs the tasks in order, scheduling nothing.
+struct OneThread {
+  int64_t num_threads() const { return 1; }
+  template <typename T>
+  void Schedule(T&&) {}
+};
+
+// Pool: xla::ffi::ThreadPool, or OneThread.
+template <typename Pool, typename F>
+void ParallelFor(Pool& pool, int64_t n, F task) {
   if (n <= 0) return;
   if (n == 1 || pool.num_threads() <= 1) {
     for (int64_t i = 0; i < n; ++i) task(i);

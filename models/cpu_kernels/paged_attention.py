@@ -1,5 +1,5 @@
 """Causal paged attention on the CPU: the call wrapper, the validated entry, and an independent numpy reference.
-The kernel body is ``paged_attention.cc`` (why it exists: its header comment and benchmarks/README.md, "Verify
+The kernel body is ``attention.h`` (why it exists: its header comment and benchmarks/README.md, "Verify
 cost on CPU"). Cache layout and shape letters as in :mod:`specjax.kv_cache`; semantics as
 :func:`specjax.attention.paged_attention_xla`.
 """

@@ -1,5 +1,5 @@
 """``x @ W.T`` on the CPU with ``W`` packed once into panels: the call wrapper, the validated entry,
-the packing, and an independent numpy reference. The kernel body is ``panel_matmul.cc`` (why it exists: its
+the packing, and an independent numpy reference. The kernel body is ``panels.h`` (why it exists: its
 header comment and benchmarks/README.md, "Verify cost on CPU").
 
 Panel layout of a ``[N, K]`` weight (``W[n, k]`` multiplies input feature k into output n), with
