@@ -19,12 +19,17 @@ per variant, each compiled while the kernels' target names point at that variant
 
     python benchmarks/bench_kernel_variants.py --variants generic_bf16_widening --engine shipped --rounds 15
 
-The built kernels are what ``models/cpu_kernels/build.py`` builds from the sources as they stand.
+The built kernels are what ``models/cpu_kernels/build.py`` builds from the sources as they stand. The variant
+``separate_layers`` is the same kernels with each decoder layer traced as separate operations (``SWITCHES``), against
+the fused layer (``models/cpu_kernels/decoder_layer.cc``):
+
+    python benchmarks/bench_kernel_variants.py --variants separate_layers --engine shipped --rounds 15
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import statistics
@@ -41,6 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench_builtin import machine_info  # noqa: E402
+from models import llama  # noqa: E402
 from models.cpu_kernels import build  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 
@@ -82,13 +88,45 @@ VARIANTS = {  # name -> [(source file, its text, replacement)]
     "generic_bf16_widening": [
         ("common.h", "#if defined(__AVX512F__)\n  return (fvec)_mm512_slli", "#if 0\n  return (fvec)_mm512_slli"),
         ("common.h", "#elif defined(__AVX2__)\n  return (fvec)_mm256_slli", "#elif 0\n  return (fvec)_mm256_slli")],
+    # The same kernels with every layer as separate operations (models.llama.FUSE_CPU_LAYERS off, below).
+    "separate_layers": [],
 }
+
+
+_TARGET_NAMES = ("TARGET", "ATTENTION_TARGET", "ROWS_TARGET", "LAYER_TARGET")
+"""``build``'s attributes naming the kernels' XLA targets, in ``build._SYMBOLS`` order."""
+
+
+def _built_targets() -> tuple[str, ...]:
+    return tuple(getattr(build, name) for name in _TARGET_NAMES)
+
+
+SWITCHES = {"separate_layers": {"FUSE_CPU_LAYERS": False}}
+"""Variant -> ``models.llama`` attributes set while its steps are traced."""
+
+
+@contextlib.contextmanager
+def _tracing_for(variant: str, targets: tuple[str, ...]):
+    """While traced inside, the kernels' calls name ``targets`` (in ``_TARGET_NAMES`` order) and the variant's
+    ``SWITCHES`` hold."""
+    saved = _built_targets(), {name: getattr(llama, name) for name in SWITCHES.get(variant, {})}
+    try:
+        for name, target in zip(_TARGET_NAMES, targets, strict=True):
+            setattr(build, name, target)
+        for name, value in SWITCHES.get(variant, {}).items():
+            setattr(llama, name, value)
+        yield
+    finally:
+        for name, target in zip(_TARGET_NAMES, saved[0]):
+            setattr(build, name, target)
+        for name, value in saved[1].items():
+            setattr(llama, name, value)
 
 
 def build_variant(name: str, workdir: Path) -> tuple[str, ...]:
     """Compile the kernels' sources (and header) with ``name``'s replacements as their own library and register
     its targets under ``<target>_<name>``; those names, in ``build._SYMBOLS`` order (panel matmul, attention,
-    panel rows)."""
+    panel rows, decoder layer)."""
     sources = {path.name: path.read_text() for path in build.SOURCES + build.HEADERS}
     for file, old, new in VARIANTS[name]:
         if old not in sources[file]:
@@ -137,11 +175,9 @@ def engine_steps(args, targets: dict) -> dict:
     model, max_len, systems = ENGINE_SYSTEMS[args.engine]
     kw = dict(max_model_len=max_len, max_num_seqs=1, batch_buckets=[1], query_buckets=(1, 64), max_prefill_chunk=64,
               seed=0)
-    base = (build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET)
     llms = {}
     for variant, names in targets.items():
-        build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = names
-        try:
+        with _tracing_for(variant, names):
             for system, (spec, _) in systems.items():
                 extra = {} if spec is None else {"speculative_config": {**spec, "num_speculative_tokens": 4,
                                                                         "adaptive": False}}
@@ -149,10 +185,8 @@ def engine_steps(args, targets: dict) -> dict:
                 runner = llms[variant, system].engine.runner
                 plain = runner.executables if runner.detached_executables is None else runner.detached_executables
                 text = plain.get((1, 1, 0)).as_text()
-                if f'"{names[0]}"' not in text:
-                    raise SystemExit(f"{variant}: {system}'s step does not call {names[0]}")
-        finally:
-            build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = base
+                if f'"{names[0]}"' not in text or (not llama.FUSE_CPU_LAYERS and f'"{names[3]}"' in text):
+                    raise SystemExit(f"{variant}: {system}'s step does not call {names[0]}, or calls {names[3]}")
     names = list(targets)
     times = {(v, s, kind): [] for v in names for s, (_, kinds) in systems.items() for kind in kinds}
     repeats = 10 if args.engine == "shipped" else 4
@@ -178,7 +212,6 @@ def engine_steps(args, targets: dict) -> dict:
 
 def forward_steps(args, targets: dict) -> dict:
     """The model's forward (``bench_verify_cost.make_step``) at T = 1 and T = K + 1, compiled per variant."""
-    base_targets = (build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET)
     config, params, _ = bv.load(args.model)
     params = bv.layouts_of(args.model, config, params)[args.layout]
     width = -(-(args.context + args.k + 1) // bv.BLOCK_SIZE)
@@ -187,19 +220,18 @@ def forward_steps(args, targets: dict) -> dict:
                           head_dim=config.head_dim, dtype=jnp.float32)
     ts = (1, args.k + 1)
     exes = {}
-    try:
-        for name, (matmul, attention, rows) in targets.items():
-            # What the kernels' ffi_calls name while this step is traced.
-            build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = matmul, attention, rows
+    for name, names in targets.items():
+        matmul, attention, _, layer = names
+        with _tracing_for(name, names):
             for t in ts:
                 inputs = bv.step_inputs(args.batch, t, args.context, width)
                 exe = bv.compile_exe(bv.make_step(config, t), (params, kv, *inputs))
                 text = exe.as_text()
-                if f'"{matmul}"' not in text or f'"{attention}"' not in text:
-                    raise SystemExit(f"{name}: the step does not call {matmul} and {attention}")
+                if f'"{matmul}"' not in text or (f'"{attention}"' not in text and f'"{layer}"' not in text):
+                    raise SystemExit(f"{name}: the step does not call {matmul} and {attention} or {layer}")
+                if not llama.FUSE_CPU_LAYERS and f'"{layer}"' in text:
+                    raise SystemExit(f"{name}: the step calls {layer}")
                 exes[(name, t)] = (exe, inputs)
-    finally:
-        build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET = base_targets
     state = {"kv": kv}
 
     def call(key) -> None:
@@ -243,7 +275,7 @@ def main() -> None:
     args = ap.parse_args()
     if build.load() is None:
         raise SystemExit("the CPU kernels are unavailable here")
-    targets = {"built": (build.TARGET, build.ATTENTION_TARGET, build.ROWS_TARGET)}
+    targets = {"built": _built_targets()}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
             targets[name] = build_variant(name, Path(tmp))

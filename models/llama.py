@@ -55,6 +55,8 @@ from models.llama_config import (  # noqa: F401 (re-exported)
     LlamaConfig,
     _freeze,
 )
+from models.cpu_kernels import decoder_layer as cpu_decoder_layer
+from specjax import backends
 from specjax.attention import paged_attention
 
 if TYPE_CHECKING:
@@ -94,11 +96,16 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """float32 cos and sin ``[B, T, E/2]`` of the RoPE angles at ``positions: [B, T]``."""
+    freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [B, T, E/2]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate-half RoPE (HF layout) of ``x: [B, T, N, E]`` at ``positions: [B, T]``; float32 math."""
-    freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)  # [B, T, E/2]
-    cos = jnp.cos(freqs)[:, :, None, :]  # [B, T, 1, E/2]
-    sin = jnp.sin(freqs)[:, :, None, :]
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, E/2]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)  # [B, T, N, E/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [B, T, N, E]
@@ -258,6 +265,11 @@ class MLP(nn.Module):
         return _Dense(c.hidden_size, pd, name="down_proj")(nn.silu(gate) * up)  # [B, T, D]
 
 
+FUSE_CPU_LAYERS = True
+"""Whether a CPU-layout layer the fused kernel computes runs as one call (``models/cpu_kernels/decoder_layer.cc``).
+Not an option (the same layer either way, to float32 rounding); tests and benchmarks turn it off to compare."""
+
+
 class DecoderLayer(nn.Module):
     config: LlamaConfig
     param_dtype: Any = jnp.float32
@@ -266,6 +278,13 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, positions, k_cache, v_cache, attn_metadata, block_size):
         """x [B, T, D] -> (x [B, T, D], k_cache, v_cache) with this step's K/V written."""
         c, pd = self.config, self.param_dtype
+        fused = self._fused_weights(x, k_cache)
+        if fused is not None:
+            rope = jnp.concatenate(rope_cos_sin(positions, rope_inv_freq(c)), axis=-1)  # [B, T, E] (one per forward)
+            return cpu_decoder_layer.decoder_layer(
+                x, positions, attn_metadata.slot_mapping, attn_metadata.block_tables, k_cache, v_cache, rope,
+                weights=fused, num_heads=c.num_attention_heads, intermediate=c.intermediate_size,
+                block_size=block_size, eps=c.rms_norm_eps)
         normed = RMSNorm(c.rms_norm_eps, pd, name="input_layernorm")(x)
         attn, k_cache, v_cache = Attention(c, pd, name="self_attn")(
             normed, positions, k_cache, v_cache, attn_metadata, block_size
@@ -273,6 +292,20 @@ class DecoderLayer(nn.Module):
         x = x + attn  # [B, T, D]
         x = x + MLP(c, pd, name="mlp")(RMSNorm(c.rms_norm_eps, pd, name="post_attention_layernorm")(x))
         return x, k_cache, v_cache
+
+    def _fused_weights(self, x: jax.Array, k_cache: jax.Array) -> Optional[dict]:
+        """The layer's weights for the fused CPU kernel, or None where it runs as separate operations: outside the
+        CPU layout, with attention forced to XLA, or with anything the kernel does not compute."""
+        c = self.config
+        if not (FUSE_CPU_LAYERS and self.has_variable("params", "self_attn") and x.dtype == jnp.float32
+                and not c.qk_norm and k_cache.dtype in (jnp.float32, jnp.bfloat16)
+                and backends.attention_backend(x.shape[1], cpu_layout=True) == backends.PAGED_CPU
+                and cpu_decoder_layer.available()):
+            return None
+        names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+        if not all(self.has_variable("params", n) for n in names):
+            return None
+        return cpu_decoder_layer.fused_weights({n: self.get_variable("params", n) for n in names})
 
 
 class Embed(nn.Module):

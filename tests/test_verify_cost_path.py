@@ -37,7 +37,8 @@ from test_models import (  # noqa: E402
 )
 from tiny_models import load_hf_torch_model, make_tiny_checkpoint  # noqa: E402
 
-from models.cpu_kernels.build import ATTENTION_TARGET, TARGET  # noqa: E402
+from models import llama  # noqa: E402
+from models.cpu_kernels.build import ATTENTION_TARGET, LAYER_TARGET, TARGET  # noqa: E402
 from models.cpu_kernels.panel_matmul import panel_width, unpack  # noqa: E402
 from models.llama import (  # noqa: E402
     LlamaConfig,
@@ -52,8 +53,9 @@ from models.loading import load_hf_model, read_generation_eos  # noqa: E402
 from specjax.buckets import CompiledBuckets  # noqa: E402
 from specjax.kv_cache import AttentionMetadata, KVCache  # noqa: E402
 
-# q/k/v + o biases (llama), qk-norm with head_dim * heads != hidden (qwen3), tied head with MQA + qkv bias (qwen2).
-LAYOUT_CASES = ("llama_linear_rope_bias", "qwen3", "tied")
+# q/k/v + o biases (llama), qk-norm with head_dim * heads != hidden (qwen3), tied head with MQA + qkv bias (qwen2):
+# layers as separate operations; GQA with llama3 RoPE scaling: each layer one fused call.
+LAYOUT_CASES = ("llama_linear_rope_bias", "qwen3", "tied", "llama3_rope")
 
 
 @pytest.fixture(scope="module", params=LAYOUT_CASES)
@@ -219,19 +221,95 @@ def _calls(entry: str, target: str = TARGET) -> list[str]:
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the XLA:CPU executable")
 @pytest.mark.parametrize("tied", [True, False])
-def test_engine_executables_run_every_projection_and_attention_through_the_cpu_kernels(tied):
+def test_engine_executables_run_every_projection_and_attention_through_the_cpu_kernels(tied, monkeypatch):
     c = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
     params = init_params(c, jax.random.key(1))
     cpu = to_cpu_layout(params, c)
+    for t in (5, 1):  # a K = 4 verify and a one-token step: the same kernels, no dot left
+        entry = _entry(_engine_compiled_text(c, cpu, t))  # each layer one fused call, then the LM head
+        assert len(_calls(entry, LAYER_TARGET)) == c.num_hidden_layers, entry
+        assert len(_calls(entry)) == 1 and not _calls(entry, ATTENTION_TARGET), entry
+        assert " dot(" not in entry
+    monkeypatch.setattr(llama, "FUSE_CPU_LAYERS", False)
     weights = 4 * c.num_hidden_layers + 1  # qkv, o, gate_up, down per layer + the LM head
-    for t in (5, 1):  # a K = 4 verify and a one-token step: the same kernel, no dot left
+    for t in (5, 1):  # the layers as separate operations
         entry = _entry(_engine_compiled_text(c, cpu, t))
         assert len(_calls(entry)) == weights, entry
         assert len(_calls(entry, ATTENTION_TARGET)) == c.num_hidden_layers, entry
-        assert " dot(" not in entry
+        assert not _calls(entry, LAYER_TARGET) and " dot(" not in entry
     before = _entry(_engine_compiled_text(c, params, 5))  # checkpoint layout: XLA's own kernels
     assert not _calls(before) and "custom-call(" not in before
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernels")
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_decoder_layers_match_the_layers_as_separate_operations(cache_dtype, monkeypatch):
+    """Two rows of 5 query tokens (row 1 half padding: slots -1), GQA, over caches holding earlier keys: the fused
+    layers give the separate operations' logits and write the same slots, and no other."""
+    c = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5)
+    cpu = to_cpu_layout(init_params(c, jax.random.key(3)), c)
+    rng = np.random.default_rng(4)
+    slots = 8 * 8
+    filled = [jnp.asarray(rng.standard_normal((slots, 2, 16)), cache_dtype) for _ in range(4)]
+    positions = jnp.asarray([[9, 10, 11, 12, 13], [3, 4, 0, 0, 0]], jnp.int32)
+    tables = jnp.asarray([[5, 1, -1, -1], [2, 7, -1, -1]], jnp.int32)
+    slot_mapping = jnp.asarray([[41, 42, 43, 44, 45], [19, 20, -1, -1, -1]], jnp.int32)  # 5 * 8 + 1 = 41, ...
+    tokens = jnp.asarray(rng.integers(0, 300, (2, 5)), jnp.int32)
+    md = AttentionMetadata(slot_mapping=slot_mapping, block_tables=tables)
+
+    def run():  # traced anew for each setting of FUSE_CPU_LAYERS
+        cache = KVCache(k=tuple(filled[:2]), v=tuple(filled[2:]), block_size=8)
+        step = jax.jit(lambda p, k: forward(p, tokens, positions, k, md, config=c))
+        calls = step.lower(cpu, cache).as_text().count(LAYER_TARGET)
+        logits, _, cache = step(cpu, cache)
+        return np.asarray(logits), [np.asarray(a, np.float32) for a in cache.k + cache.v], calls
+
+    fused, fused_cache, calls = run()
+    assert calls == c.num_hidden_layers
+    monkeypatch.setattr(llama, "FUSE_CPU_LAYERS", False)
+    separate, separate_cache, calls = run()
+    assert calls == 0
+    np.testing.assert_allclose(fused[0], separate[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(fused[1, :2], separate[1, :2], rtol=2e-5, atol=2e-5)
+    written = np.asarray([41, 42, 43, 44, 45, 19, 20])
+    for before, a, b in zip(filled[:2] + filled[2:], fused_cache, separate_cache):
+        untouched = np.setdiff1d(np.arange(slots), written)
+        np.testing.assert_array_equal(a[untouched], np.asarray(before, np.float32)[untouched])
+        tol = 1e-2 if cache_dtype == jnp.bfloat16 else 2e-5  # one bfloat16 rounding step apart at most
+        np.testing.assert_allclose(a[written], b[written], rtol=tol, atol=tol)
+        assert not np.allclose(a[written], np.asarray(before, np.float32)[written])
+
+
+def test_fused_decoder_layer_takes_only_layers_it_computes_and_refuses_bad_inputs():
+    from models.cpu_kernels.decoder_layer import decoder_layer, fused_weights
+
+    c = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8)
+    layer = to_cpu_layout(init_params(c, jax.random.key(0)), c)["layers_0"]
+    weights = fused_weights(layer)
+    assert weights is not None and set(weights) == {"in_scale", "post_scale", "qkv_p", "o_p", "gate_up_p", "down_p"}
+    attn = layer["self_attn"]
+    with_bias = {**layer, "self_attn": {**attn, "qkv_proj": {**attn["qkv_proj"], "bias": jnp.zeros(32)}}}
+    bf16_norm = {**layer, "input_layernorm": {"scale": layer["input_layernorm"]["scale"].astype(jnp.bfloat16)}}
+    assert fused_weights(with_bias) is None and fused_weights(bf16_norm) is None
+
+    x, pos = jnp.zeros((1, 2, 32), jnp.float32), jnp.zeros((1, 2), jnp.int32)
+    cache, tables, rope = jnp.zeros((16, 2, 8), jnp.float32), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2, 8))
+    kw = dict(weights=weights, num_heads=4, intermediate=48, block_size=8, eps=1e-6)
+    out, k, v = decoder_layer(x, pos, pos, tables, cache, cache, rope, **kw)
+    assert out.shape == x.shape and k.shape == v.shape == cache.shape
+    with pytest.raises(ValueError, match="x must be float32"):
+        decoder_layer(x.astype(jnp.bfloat16), pos, pos, tables, cache, cache, rope, **kw)
+    with pytest.raises(ValueError, match="rope"):
+        decoder_layer(x, pos, pos, tables, cache, cache, rope[..., :4], **kw)
+    with pytest.raises(ValueError, match="num_heads=3"):
+        decoder_layer(x, pos, pos, tables, cache, cache, rope, **{**kw, "num_heads": 3})
+    with pytest.raises(ValueError, match="block_size=5"):
+        decoder_layer(x, pos, pos, tables, cache, cache, rope, **{**kw, "block_size": 5})
+    with pytest.raises(ValueError, match=r"weights\['o_p'\]"):
+        decoder_layer(x, pos, pos, tables, cache, cache, rope, **{**kw, "weights": {**weights, "o_p": weights["qkv_p"]}})
 
 
 # --------------------------------------------------------------------------- what the engine runs

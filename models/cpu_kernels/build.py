@@ -27,7 +27,7 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "panel_matmul.cc", HERE / "paged_attention.cc")
+SOURCES = (HERE / "panel_matmul.cc", HERE / "paged_attention.cc", HERE / "decoder_layer.cc")
 HEADERS = (HERE / "common.h", HERE / "panels.h", HERE / "attention.h")
 TARGET = "specjax_panel_matmul"
 """XLA custom-call target name of the panel matmul (what compiled HLO calls)."""
@@ -35,7 +35,10 @@ ATTENTION_TARGET = "specjax_paged_attention"
 """XLA custom-call target name of the paged attention."""
 ROWS_TARGET = "specjax_panel_rows"
 """XLA custom-call target name of the row lookup from panels."""
-_SYMBOLS = {TARGET: "SpecjaxPanelMatmul", ATTENTION_TARGET: "SpecjaxPagedAttention", ROWS_TARGET: "SpecjaxPanelRows"}
+LAYER_TARGET = "specjax_decoder_layer"
+"""XLA custom-call target name of the fused decoder layer."""
+_SYMBOLS = {TARGET: "SpecjaxPanelMatmul", ATTENTION_TARGET: "SpecjaxPagedAttention", ROWS_TARGET: "SpecjaxPanelRows",
+            LAYER_TARGET: "SpecjaxDecoderLayer"}
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-std=gnu++17", "-shared", "-fPIC")
 CACHE_ENV = "SPECJAX_CACHE_DIR"
 
