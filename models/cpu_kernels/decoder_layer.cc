@@ -1,14 +1,13 @@
-// One Llama decoder layer of a few query tokens in one call, on the CPU (issue 13).
+// One Llama decoder layer of a few query tokens in one call, on the CPU (issues 13 and 14).
 //
 // Kernel body (Layer, calling the panel kernel of panels.h and the attention of attention.h) / XLA FFI handler
 // (SpecjaxDecoderLayer) / validated entry in models/cpu_kernels/decoder_layer.py, whose test checks it against
 // the layer as separate operations (models/llama.py's DecoderLayer).
 //
-// Why: a small model's layer is ~25 XLA operations (norms, RoPE, the KV write, residual adds, SiLU) around 5
-// custom calls, each operation a few microseconds of dispatch against well under a microsecond of work. A draft
-// model runs K of its forwards inside every speculative step, so the shipped 2-layer draft spent most of its
-// ~0.2 ms per drafted token dispatching. Here the whole layer is one call: the same products and attention,
-// the elementwise work in plain loops between them.
+// Why: a layer in the CPU layout was ~30 operations (5 custom calls, ~25 XLA fusions for the norms, RoPE, the KV
+// write, residual adds and SiLU), each with its own dispatch and pass over its inputs; a draft model runs K of
+// its forwards in every speculative step. In one call the shipped pair's batch-1 steps took 0.89-0.94x the time
+// and SmolLM2's 0.93-0.95x (benchmarks/README.md, "Verify cost on CPU").
 //
 // Semantics, those of DecoderLayer for a float32 residual stream, no biases, no q/k norms, SiLU MLP:
 //   h = RMSNorm(x) * in_scale;  q, k, v = h . Wqkv^T (fused, q heads then k then v);  RoPE(q, k) (HF rotate-half,
@@ -35,20 +34,17 @@ namespace attention = specjax::attention;
 constexpr int64_t kOneThreadWork = 1 << 19;  // multiply-adds below which a layer runs on one thread
 constexpr int64_t kParallelRows = 16;  // rows from which the elementwise work goes over the pool
 
-// y[n, :] = x[n, :] * rsqrt(mean(x[n, :]^2) + eps) * scale, as RMSNorm orders it (normalize, then scale).
-void RmsNorm(const float* x, const float* scale, float* y, int64_t N, int64_t D, float eps) {
-  for (int64_t n = 0; n < N; ++n) {
-    const float* xn = x + n * D;
-    float lanes[16] = {};
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16)
-      for (int l = 0; l < 16; ++l) lanes[l] += xn[d + l] * xn[d + l];
-    float sum = 0.f;
-    for (; d < D; ++d) sum += xn[d] * xn[d];
-    for (int l = 0; l < 16; ++l) sum += lanes[l];
-    const float r = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
-    for (d = 0; d < D; ++d) y[n * D + d] = (xn[d] * r) * scale[d];
-  }
+// y = x * rsqrt(mean(x^2) + eps) * scale for one row of D, as RMSNorm orders it (normalize, then scale).
+void RmsNorm(const float* x, const float* scale, float* y, int64_t D, float eps) {
+  float lanes[16] = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += x[d + l] * x[d + l];
+  float sum = 0.f;
+  for (; d < D; ++d) sum += x[d] * x[d];
+  for (int l = 0; l < 16; ++l) sum += lanes[l];
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
+  for (d = 0; d < D; ++d) y[d] = (x[d] * r) * scale[d];
 }
 
 // Rotate-half RoPE of heads [n_heads, E] in place, cos_sin [E] = cos then sin of the token's E / 2 angles.
@@ -111,7 +107,7 @@ void Layer(Pool& pool, const float* x, const int32_t* positions, const int32_t* 
   const int64_t N = s.B * s.T, H = s.H, G = s.G, E = s.E;
   std::vector<float> h(N * D), qkv, q(N * H * E), attn(N * H * E), proj, act(N * F);
   float* hp = h.data();
-  EachRow(pool, N, [&](int64_t n) { RmsNorm(x + n * D, w.in_scale, hp + n * D, 1, D, eps); });
+  EachRow(pool, N, [&](int64_t n) { RmsNorm(x + n * D, w.in_scale, hp + n * D, D, eps); });
   Product(pool, *w.qkv, hp, N, qkv);
   const int64_t stride = static_cast<int64_t>(qkv.size()) / N;
   EachRow(pool, N, [&](int64_t n) {
@@ -130,7 +126,7 @@ void Layer(Pool& pool, const float* x, const int32_t* positions, const int32_t* 
   EachRow(pool, N, [&](int64_t n) {  // the residual, then the MLP's norm
     const float* p = proj.data() + n * (static_cast<int64_t>(proj.size()) / N);
     for (int64_t d = 0; d < D; ++d) out[n * D + d] = x[n * D + d] + p[d];
-    RmsNorm(out + n * D, w.post_scale, hp + n * D, 1, D, eps);
+    RmsNorm(out + n * D, w.post_scale, hp + n * D, D, eps);
   });
   Product(pool, *w.gate_up, hp, N, proj);
   EachRow(pool, N, [&](int64_t n) {
