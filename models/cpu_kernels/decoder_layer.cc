@@ -6,7 +6,7 @@
 //
 // Why: a layer in the CPU layout was ~30 operations (5 custom calls, ~25 XLA fusions for the norms, RoPE, the KV
 // write, residual adds and SiLU), each with its own dispatch and pass over its inputs; a draft model runs K of
-// its forwards in every speculative step. In one call the shipped pair's batch-1 steps took 0.89-0.94x the time
+// its forwards in every speculative step. In one call the shipped pair's batch-1 steps took 0.89-0.95x the time
 // and SmolLM2's 0.93-0.95x (benchmarks/README.md, "Verify cost on CPU").
 //
 // Semantics, those of DecoderLayer for a float32 residual stream, no biases, no q/k norms, SiLU MLP:
