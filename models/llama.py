@@ -297,8 +297,8 @@ class DecoderLayer(nn.Module):
         """The layer's weights for the fused CPU kernel, or None where it runs as separate operations: outside the
         CPU layout, with attention forced to XLA, or with anything the kernel does not compute."""
         c = self.config
-        if not (FUSE_CPU_LAYERS and self.has_variable("params", "self_attn") and x.dtype == jnp.float32
-                and not c.qk_norm and k_cache.dtype in (jnp.float32, jnp.bfloat16)
+        if not (FUSE_CPU_LAYERS and x.dtype == jnp.float32 and not c.qk_norm
+                and k_cache.dtype in (jnp.float32, jnp.bfloat16)
                 and backends.attention_backend(x.shape[1], cpu_layout=True) == backends.PAGED_CPU
                 and cpu_decoder_layer.available()):
             return None

@@ -79,14 +79,16 @@ struct Weights {
   const ffi::AnyBuffer* down;
 };
 
-// y = panels . x for a weight buffer already validated (FormatOf != kNone), into a [M, P kPanel] scratch.
+// y = panels . x for a weight buffer already validated (FormatOf != kNone), into a [M, P kPanel] scratch; returns
+// its row width P kPanel.
 template <typename Pool>
-void Product(Pool& pool, const ffi::AnyBuffer& w, const float* x, int64_t M, std::vector<float>& y) {
+int64_t Product(Pool& pool, const ffi::AnyBuffer& w, const float* x, int64_t M, std::vector<float>& y) {
   int64_t K = -1;
   const panel::Format format = panel::FormatOf(w, &K);
   const int64_t panels = w.dimensions()[0];
   y.resize(M * panels * panel::kPanel);
   panel::Matmul(pool, format, x, w.untyped_data(), y.data(), M, K, panels);
+  return panels * panel::kPanel;
 }
 
 // fn(n) for rows n < N: over the pool for prefill-sized inputs, else in order on this thread (scheduling costs more
@@ -108,8 +110,7 @@ void Layer(Pool& pool, const float* x, const int32_t* positions, const int32_t* 
   std::vector<float> h(N * D), qkv, q(N * H * E), attn(N * H * E), proj, act(N * F);
   float* hp = h.data();
   EachRow(pool, N, [&](int64_t n) { RmsNorm(x + n * D, w.in_scale, hp + n * D, D, eps); });
-  Product(pool, *w.qkv, hp, N, qkv);
-  const int64_t stride = static_cast<int64_t>(qkv.size()) / N;
+  const int64_t stride = Product(pool, *w.qkv, hp, N, qkv);
   EachRow(pool, N, [&](int64_t n) {
     float* row = qkv.data() + n * stride;  // q heads, k heads, v heads
     Rope(row, H + G, E, w.rope + n * E);
@@ -122,21 +123,21 @@ void Layer(Pool& pool, const float* x, const int32_t* positions, const int32_t* 
     }
   });
   attention::Run(pool, q.data(), kc, vc, positions, tables, attn.data(), s);
-  Product(pool, *w.o, attn.data(), N, proj);
+  int64_t width = Product(pool, *w.o, attn.data(), N, proj);
   EachRow(pool, N, [&](int64_t n) {  // the residual, then the MLP's norm
-    const float* p = proj.data() + n * (static_cast<int64_t>(proj.size()) / N);
+    const float* p = proj.data() + n * width;
     for (int64_t d = 0; d < D; ++d) out[n * D + d] = x[n * D + d] + p[d];
     RmsNorm(out + n * D, w.post_scale, hp + n * D, D, eps);
   });
-  Product(pool, *w.gate_up, hp, N, proj);
+  width = Product(pool, *w.gate_up, hp, N, proj);
   EachRow(pool, N, [&](int64_t n) {
-    const float* __restrict gate = proj.data() + n * (static_cast<int64_t>(proj.size()) / N);
+    const float* __restrict gate = proj.data() + n * width;
     float* __restrict a = act.data() + n * F;
     for (int64_t f = 0; f < F; ++f) a[f] = gate[f] / (1.f + specjax::Exp(-gate[f])) * gate[F + f];  // silu(g) u
   });
-  Product(pool, *w.down, act.data(), N, proj);
+  width = Product(pool, *w.down, act.data(), N, proj);
   EachRow(pool, N, [&](int64_t n) {
-    const float* p = proj.data() + n * (static_cast<int64_t>(proj.size()) / N);
+    const float* p = proj.data() + n * width;
     for (int64_t d = 0; d < D; ++d) out[n * D + d] += p[d];
   });
 }
@@ -179,6 +180,8 @@ ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return ffi::Error::InvalidArgument(
         "specjax_decoder_layer: weights must be panels (see specjax_panel_matmul): qkv [(H + 2 G) E, D], "
         "o [D, H E], gate_up [2 F, D], down [D, F]");
+  if (k_cache.element_type() != ffi::F32 && k_cache.element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument("specjax_decoder_layer: the caches must be float32 or bfloat16");
   const attention::Shape s{B, T, H, G, E, td[1], block_size, kd[0] / block_size, scale};
   const Weights w{in_scale.typed_data(), post_scale.typed_data(), rope.typed_data(), &qkv, &o, &gate_up, &down};
   // The caches are aliased to k_out / v_out (the entry's input_output_aliases): written and read in place there.
@@ -194,8 +197,6 @@ ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
             static_cast<uint16_t*>(k_out->untyped_data()), static_cast<uint16_t*>(v_out->untyped_data()), w, op,
             s, D, intermediate, kd[0], eps);
   };
-  if (k_cache.element_type() != ffi::F32 && k_cache.element_type() != ffi::BF16)
-    return ffi::Error::InvalidArgument("specjax_decoder_layer: the caches must be float32 or bfloat16");
   // A small layer runs on the calling thread alone: its products take a few microseconds, about what handing
   // half of each to the pool's helper costs.
   const int64_t work = B * T * D * ((H + 2 * G) * E + H * E + 3 * intermediate);  // multiply-adds
