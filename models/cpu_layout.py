@@ -108,6 +108,70 @@ class QuantizedMatrix:
         return dataclasses.replace(self, q=fn(self.q), d=fn(self.d), m=None if self.m is None else fn(self.m))
 
 
+def quantize_q8_0(w: Any) -> QuantizedMatrix:
+    """An output-major ``[N, K]`` float weight (K a multiple of 32) as GGUF Q8_0 blocks, as llama.cpp quantizes:
+    per block of 32, ``d = max |w| / 127`` (float16) and ``q = round(w / d)`` (int8, clipped to +-127 where the
+    float16 rounding of d made it smaller). For a draft model or head (``speculative_config.quantization``): its
+    drafts change a little, speculation stays exact. Its float values: ``dequantize_q8_0``."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 needs an input width that is a multiple of 32, got a [{n}, {k}] weight")
+    blocks = w.reshape(n, k // 32, 32)
+    d = (np.abs(blocks).max(axis=-1) / 127).astype(np.float16)  # [N, K / 32]
+    scale = d.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale > 0, np.rint(blocks / scale), 0)
+    return QuantizedMatrix(kind="q8_0", q=np.clip(q, -127, 127).astype(np.int8).reshape(n, k), d=d)
+
+
+def dequantize_q8_0(m: QuantizedMatrix) -> np.ndarray:
+    """The float32 ``[N, K]`` values of Q8_0 blocks: ``d * q``, exact in float32 (module docstring)."""
+    n, k = m.q.shape
+    return (m.q.reshape(n, k // 32, 32).astype(np.float32) * m.d.astype(np.float32)[..., None]).reshape(n, k)
+
+
+LAYER_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                     ("mlp", ("gate_proj", "up_proj", "down_proj")))
+"""A decoder layer's projections by group, under the checkpoint layout's names."""
+
+
+def _input_dims(name: str) -> int:
+    return 2 if name == "o_proj" else 1  # o_proj's kernel is [H, E, D]; the others' [D, ...]
+
+
+def layer_q8_0(sub: Mapping[str, Any], prefix: str = "") -> tuple[dict, dict[str, QuantizedMatrix]]:
+    """One checkpoint-layout decoder layer with each projection replaced by its :func:`quantize_q8_0` values, and
+    those blocks under ``prefix + "self_attn/q_proj"`` etc. (:func:`layer_to_cpu_layout`'s ``quantized`` keys)."""
+    out, blocks = dict(sub), {}
+    for group, names in LAYER_PROJECTIONS:
+        out[group] = dict(sub[group])
+        for name in names:
+            kernel = np.asarray(sub[group][name]["kernel"], np.float32)
+            rows = int(np.prod(kernel.shape[:_input_dims(name)]))
+            m = blocks[f"{prefix}{group}/{name}"] = quantize_q8_0(output_major(kernel, rows))
+            out[group][name] = {**sub[group][name], "kernel": dequantize_q8_0(m).T.reshape(kernel.shape)}
+    return out, blocks
+
+
+def model_q8_0(params: Mapping[str, Any], config: LlamaConfig) -> tuple[dict, dict[str, QuantizedMatrix]]:
+    """A checkpoint-layout Llama with every projection and its output head (the tied embedding, else ``lm_head``)
+    replaced by their :func:`quantize_q8_0` values, and those blocks, for :func:`to_cpu_layout` (with
+    ``int8_activations=True``: the draft model of ``speculative_config.quantization``)."""
+    out, blocks = dict(params), {}
+    for i in range(config.num_hidden_layers):
+        out[f"layers_{i}"], got = layer_q8_0(params[f"layers_{i}"], prefix=f"layers_{i}/")
+        blocks.update(got)
+    if "lm_head" in params:
+        kernel = np.asarray(params["lm_head"]["kernel"], np.float32)  # [D, V]
+        m = blocks["lm_head"] = quantize_q8_0(kernel.T)
+        out["lm_head"] = {**params["lm_head"], "kernel": dequantize_q8_0(m).T}
+    elif config.tie_word_embeddings:
+        m = blocks["embed_tokens"] = quantize_q8_0(params["embed_tokens"]["embedding"])  # [V, D]
+        out["embed_tokens"] = {**params["embed_tokens"], "embedding": dequantize_q8_0(m)}
+    return out, blocks
+
+
 def quantized_panels(parts: list[QuantizedMatrix], mats: list[Any], *, dot: bool = False) -> Optional[np.ndarray]:
     """Quantized panels of ``parts`` stacked, if they are one kind and dequantize exactly to ``mats`` (the float
     params, output-major); else None (the caller packs the floats). ``dot``: in the layout the kernel multiplies

@@ -64,7 +64,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.cpu_layout import layer_to_cpu_layout, matmul_p, output_major, panels
+from models.cpu_layout import (dequantize_q8_0, layer_q8_0, layer_to_cpu_layout, matmul_p, output_major, panels,
+                               quantize_q8_0)
 from models.llama import (MLP, LlamaConfig, RMSNorm, _Dense, _freeze, _OutProj, _Proj, apply_rope, embedding_rows,
                           fused_qkv, lm_head_logits, rope_inv_freq)
 
@@ -393,21 +394,29 @@ class FusionHead(nn.Module):
         return self.layer.finish(residual, masked_attention(q, keys, values, mask)), k, v
 
 
-def head_to_cpu_layout(params: Mapping[str, Any], config: HeadConfig) -> dict:
+def head_to_cpu_layout(params: Mapping[str, Any], config: HeadConfig, *, q8_0: bool = False) -> dict:
     """A fusion head's params in the derived CPU layout of :mod:`models.cpu_layout` (its layer's projections,
     ``fc`` / ``fc_aux`` and a draft-vocabulary ``lm_head`` as panels), for a head beside a target in that
     layout: a verify step's entries then stream each head weight once, narrowed like the target's. Medusa heads
-    are returned as given (their blocks keep XLA's dots)."""
+    are returned as given (their blocks keep XLA's dots). ``q8_0``: those panels as Q8_0 blocks multiplied with
+    int8 activations (``speculative_config.quantization``; ``models.cpu_layout.quantize_q8_0``)."""
     if not config.is_fusion:
+        if q8_0:
+            raise ValueError(f"a {config.method} head has no Q8_0 layout (its blocks keep XLA's dots)")
         return dict(params)
     if "qkv_proj" in params["layer"]["self_attn"]:
         raise ValueError("head params are already in the CPU layout")
-    out = {**params, "layer": layer_to_cpu_layout(params["layer"])}
+    layer, blocks = layer_q8_0(params["layer"]) if q8_0 else (params["layer"], None)
+    out = {**params, "layer": layer_to_cpu_layout(layer, quantized=blocks, int8_activations=q8_0)}
     for name in ("fc", "fc_aux", "lm_head"):
         if name in params:
-            kernel = params[name]["kernel"]  # [I, O]
-            out[name] = {**{k: v for k, v in params[name].items() if k != "kernel"},
-                         "kernel_p": panels(output_major(kernel, np.shape(kernel)[0]))}
+            w = output_major(params[name]["kernel"], np.shape(params[name]["kernel"])[0])  # [O, I]
+            if q8_0:
+                m = quantize_q8_0(w)
+                kernel_p = panels(dequantize_q8_0(m), quantized=[m], dot=True)
+            else:
+                kernel_p = panels(w)
+            out[name] = {**{k: v for k, v in params[name].items() if k != "kernel"}, "kernel_p": kernel_p}
     return out
 
 

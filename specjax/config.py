@@ -127,6 +127,9 @@ def bucket_for(value: int, buckets: Sequence[int], name: str) -> int:
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp")
 REJECTION_METHODS = ("standard", "synthetic", "block")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+DRAFT_QUANTIZATIONS = ("q8_0",)
+QUANTIZABLE_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+"""The methods whose draft weights ``SpeculativeConfig.quantization`` can quantize (Medusa's blocks keep XLA's dots)."""
 
 
 def _geometric_rates(length: float, k: int) -> tuple[float, ...]:
@@ -175,6 +178,11 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     use_heterogeneous_vocab: bool = False
     """draft_model only: the draft has its own tokenizer; drafts come from the shared tokens (greedy)."""
+    quantization: str | None = None
+    """"q8_0": the draft model's or head's projection weights are quantized at load to GGUF Q8_0 blocks (8.5 bits
+    per weight) and multiplied with int8 activations, as llama.cpp does (``draft_model``, ``eagle``, ``eagle3``,
+    ``mtp``; one CPU device, where the CPU kernels' layout runs). Its drafts change slightly; output stays exact,
+    as the target verifies every draft. None: the weights as stored."""
 
     @classmethod
     def from_dict(cls, d: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -292,6 +300,13 @@ class SpeculativeConfig:
                 "use_heterogeneous_vocab=True drafts greedily only: draft_sample_method must be 'greedy' or None, "
                 f"got {self.draft_sample_method!r}"
             )
+        if self.quantization is not None:
+            if self.quantization not in DRAFT_QUANTIZATIONS:
+                raise ValueError(f"quantization must be one of {list(DRAFT_QUANTIZATIONS)} or None, got "
+                                 f"{self.quantization!r}")
+            if method not in QUANTIZABLE_METHODS:
+                raise ValueError(f"quantization={self.quantization!r} quantizes a draft model's or head's weights "
+                                 f"(method one of {list(QUANTIZABLE_METHODS)}), got method={method!r}")
         if self.adaptive is not None and not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be a bool or None, got {self.adaptive!r}")
         if self.adaptive and self.num_speculative_tokens_per_batch_size is not None:

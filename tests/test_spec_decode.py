@@ -160,7 +160,9 @@ def test_self_drafting_probabilistic_at_temperature_one(target_dir):
     {"method": "draft_model", "draft_sample_method": "greedy", "num_speculative_tokens": 2},
     {"method": "draft_model", "num_speculative_tokens": 2, "rejection_sample_method": "block"},
     {"method": "eagle", "num_speculative_tokens": 2},
-], ids=["probabilistic", "greedy-draft", "block", "eagle-head"])
+    {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "q8_0"},
+    {"method": "eagle", "num_speculative_tokens": 2, "quantization": "q8_0"},
+], ids=["probabilistic", "greedy-draft", "block", "eagle-head", "q8_0-draft", "q8_0-eagle-head"])
 def test_sampled_two_token_distribution_is_the_targets(tmp_path, spec):
     """Frequencies of (t1, t2) under speculation (adaptive K, drafts sampled from the draft's own distribution
     by default) match the target's exact joint law (from transformers)."""

@@ -142,6 +142,24 @@ def check_int8_activations(mesh: Mesh, quantized: Any) -> None:
                          "this model has none")
 
 
+def check_draft_quantization(mesh: Mesh, quantization: str | None) -> None:
+    """ValueError naming ``speculative_config.quantization`` unless it is None or can apply: the CPU kernels' weight
+    layout on this mesh (the quantized panels are theirs)."""
+    if quantization is not None and not use_cpu_weight_layout(mesh.devices.flat):
+        raise ValueError(f"speculative_config.quantization={quantization!r} needs the CPU kernels' weight layout "
+                         "(one CPU device with the kernels built; specjax.backends.use_cpu_weight_layout), which "
+                         "this mesh does not run")
+
+
+def quantized_draft(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a draft's weights being quantized for ``speculative_config.quantization``: a
+    ValueError it raises (a width Q8_0 blocks cannot split) is raised again naming the field."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.quantization: {e}") from e
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
     """Shardings of one model (target or draft) on the engine's mesh."""

@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.cpu_layout import model_q8_0
 from models.llama import LlamaConfig, forward
 from models.loading import load_blocks, load_model
 from specjax.builtin import resolve_model
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
-from specjax.parallel.sharding import ShardingPlan
+from specjax.parallel.sharding import ShardingPlan, check_draft_quantization, quantized_draft
 from specjax.spec_decode.drafting import draft_keys, draw_draft
 from specjax.spec_decode.proposer import BuildContext, Proposer, register
 
@@ -160,6 +161,7 @@ def build(ctx: BuildContext) -> DraftModelProposer:
     spec = ctx.spec
     draft_tp = spec.draft_tensor_parallel_size  # checked against the target's by LLM
     path = resolve_model(spec.model)
+    check_draft_quantization(ctx.mesh, spec.quantization)  # before loading the weights
     config, params = load_model(path, dtype=ctx.dtype)
     vocab_map = None
     if spec.use_heterogeneous_vocab:
@@ -173,6 +175,10 @@ def build(ctx: BuildContext) -> DraftModelProposer:
             f"{ctx.target_config.vocab_size}; a draft with its own tokenizer needs use_heterogeneous_vocab=True"
         )
     plan = ShardingPlan(mesh=ctx.mesh, tp=ctx.tensor_parallel_size if draft_tp is None else draft_tp)
-    params = plan.layout(params, config, quantized=load_blocks(path))  # large models on CPU: the catch-up forward's few rows stream each weight once
+    if spec.quantization == "q8_0":
+        params, blocks = quantized_draft(model_q8_0, params, config)
+        params = plan.layout(params, config, quantized=blocks, int8_activations=True)
+    else:  # large models on CPU: the catch-up forward's few rows stream each weight once
+        params = plan.layout(params, config, quantized=load_blocks(path))
     return DraftModelProposer(config, params, plan=plan, vocab_map=vocab_map,
                               probabilistic=spec.draft_sample_method != "greedy" and vocab_map is None)
