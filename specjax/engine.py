@@ -22,7 +22,7 @@ from specjax.runner import Bucket, StepRunner
 from specjax.scheduler import Request, Scheduler
 from specjax.spec_decode.controller import ControllerConfig, SpeculationController
 from specjax.spec_decode.proposer import EMPTY_DRAFTS
-from specjax.step import unpack
+from specjax.step import unpack, unpack_logprobs
 
 
 WARMUP_STEPS_PER_KIND = 4
@@ -396,10 +396,11 @@ class Engine:
         table = self.scheduler.slots
         if k and self.spec_stats is not None:
             self.spec_stats.num_spec_steps += 1
-        tokens, accepted_counts, logprobs = unpack(packed, k)
+        tokens, accepted_counts = unpack(packed, k)
+        logprobs = None
         for i, row in enumerate(rows):
             request = row.request
-            accepted = int(accepted_counts[i])
+            accepted = accepted_counts[i]
             computed = row.start + row.num_new
             if self.proposer.drafts_ahead:
                 # The head drafted from this step's features, over a complete history of its own (a row that
@@ -410,8 +411,10 @@ class Engine:
                 continue
             self.stats.num_row_steps += 1
             first = not request.output_token_ids
-            kept = self.scheduler.commit(row, tokens[i, : accepted + 1].tolist(), num_computed=computed + accepted)
+            kept = self.scheduler.commit(row, tokens[i][: accepted + 1], num_computed=computed + accepted)
             if request.output_logprobs is not None:
+                if logprobs is None:
+                    logprobs = unpack_logprobs(packed, k)
                 width = (logprobs.shape[-1] - 2) // 2
                 n = min(request.params.logprobs, width)
                 for lp in logprobs[i, : len(kept)]:  # (logprob, rank, top ids, top logprobs) per kept token

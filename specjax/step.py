@@ -376,9 +376,14 @@ def top_logprobs(vocab: int) -> int:
     return min(MAX_LOGPROBS, vocab)
 
 
-def unpack(packed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host side of :func:`update_phase`'s output: (tokens [B, K+1], accepted [B], logprobs float32
-    [B, K+1, 2 + 2N])."""
+def unpack(packed: np.ndarray, k: int) -> tuple[list[list[int]], list[int]]:
+    """Host side of :func:`update_phase`'s output: (tokens [B][K+1], accepted [B]) as Python lists (what the
+    engine's per-row loop reads; numpy calls right after a step cost several microseconds each)."""
+    rows = packed[:, : k + 2].tolist()
+    return [r[: k + 1] for r in rows], [r[k + 1] for r in rows]
+
+
+def unpack_logprobs(packed: np.ndarray, k: int) -> np.ndarray:
+    """float32 [B, K+1, 2 + 2N]: the logprobs part of :func:`update_phase`'s output (requests that asked)."""
     b = packed.shape[0]
-    logprobs = np.ascontiguousarray(packed[:, k + 2:]).view(np.float32).reshape(b, k + 1, -1)
-    return packed[:, : k + 1], packed[:, k + 1], logprobs
+    return np.ascontiguousarray(packed[:, k + 2:]).view(np.float32).reshape(b, k + 1, -1)

@@ -188,11 +188,15 @@ def test_packed_batch_round_trips_every_field_and_host_views_write_through():
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("length", [1, 8])
-def test_slot_table_fills_a_step_as_each_request_and_chunk_define_it(length):
-    """``SlotTable.fill`` (one gather of per-slot records) writes each row as its request and chunk define it,
-    field by field from a per-row reference, and leaves the rows past them padding."""
+@pytest.mark.parametrize("length,scalar_rows", [(1, 4), (1, 0), (8, 4)])
+def test_slot_table_fills_a_step_as_each_request_and_chunk_define_it(length, scalar_rows, monkeypatch):
+    """``SlotTable.fill`` (one gather of per-slot records, or row by row for a few decoding rows) writes each row
+    as its request and chunk define it, field by field from a per-row reference, and leaves the rows past them
+    padding."""
+    from specjax import input_batch
     from specjax.input_batch import SlotTable
+
+    monkeypatch.setattr(input_batch, "SCALAR_ROWS", scalar_rows)  # 0: the vectorized path for every step
     from specjax.scheduler import Request
     from specjax.step import StepBatch, host_buffers
 
