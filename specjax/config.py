@@ -181,8 +181,9 @@ class SpeculativeConfig:
     quantization: str | None = None
     """"q8_0": the draft model's or head's projection weights are quantized at load to GGUF Q8_0 blocks (8.5 bits
     per weight) and multiplied with int8 activations, as llama.cpp does (``draft_model``, ``eagle``, ``eagle3``,
-    ``mtp``; one CPU device, where the CPU kernels' layout runs). Its drafts change slightly; output stays exact,
-    as the target verifies every draft. None: the weights as stored."""
+    ``mtp``; one CPU device, where the CPU kernels' layout runs; a GGUF draft's blocks are quantized again from
+    their float values). Its drafts change slightly; output stays exact, as the target verifies every draft. None:
+    the weights as stored."""
 
     @classmethod
     def from_dict(cls, d: "dict | SpeculativeConfig") -> "SpeculativeConfig":

@@ -94,5 +94,6 @@ def load_head_for(ctx: BuildContext) -> tuple[HeadConfig, dict]:
         raise ValueError(f"speculative_config.model {spec.model!r} is a {config.method} head, but method={spec.method!r}")
     config.check_target(ctx.target_config)
     if use_cpu_weight_layout(ctx.mesh.devices.flat):  # beside a target in the CPU layout (the same choice)
-        params = quantized_draft(head_to_cpu_layout, params, config, q8_0=spec.quantization == "q8_0")
+        params = (quantized_draft(head_to_cpu_layout, params, config, q8_0=True) if spec.quantization == "q8_0"
+                  else head_to_cpu_layout(params, config))
     return config, params
