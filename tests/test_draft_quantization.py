@@ -136,11 +136,12 @@ def test_quantization_is_validated_naming_the_field(spec, field):
         specjax.LLM("builtin:target", speculative_config={**spec, "num_speculative_tokens": 2}, **KW)
 
 
-def test_quantization_is_refused_off_the_cpu_layout_before_the_draft_loads(monkeypatch):
+def test_quantization_is_refused_off_the_cpu_layout_before_any_weights_load(monkeypatch):
     import specjax.spec_decode.draft_model as draft_model
     import specjax.spec_decode.heads as heads
 
     monkeypatch.setattr(sharding, "use_cpu_weight_layout", lambda devices: False)
+    monkeypatch.setattr(specjax.llm, "load_model", lambda *a, **k: pytest.fail("loaded the target"))
     monkeypatch.setattr(draft_model, "load_model", lambda *a, **k: pytest.fail("loaded the draft"))
     monkeypatch.setattr(heads, "load_head", lambda *a, **k: pytest.fail("loaded the head"))
     for spec in ({"method": "draft_model", "model": "builtin:draft"}, {"method": "eagle3", "model": "builtin:eagle3"}):

@@ -195,10 +195,10 @@ def test_slot_table_fills_a_step_as_each_request_and_chunk_define_it(length, sca
     padding."""
     from specjax import input_batch
     from specjax.input_batch import SlotTable
-
-    monkeypatch.setattr(input_batch, "SCALAR_ROWS", scalar_rows)  # 0: the vectorized path for every step
     from specjax.scheduler import Request
     from specjax.step import StepBatch, host_buffers
+
+    monkeypatch.setattr(input_batch, "SCALAR_ROWS", scalar_rows)  # 0: the vectorized path for every step
 
     bs, blocks, max_len = 4, 6, 24
     table = SlotTable(3, max_len, bs, blocks)

@@ -26,7 +26,7 @@ from models.llama import LlamaConfig, forward
 from models.loading import load_blocks, load_model
 from specjax.builtin import resolve_model
 from specjax.kv_cache import AttentionMetadata, KVCache, slots_for_positions
-from specjax.parallel.sharding import ShardingPlan, check_draft_quantization, quantized_draft
+from specjax.parallel.sharding import ShardingPlan, quantized_draft
 from specjax.spec_decode.drafting import draft_keys, draw_draft
 from specjax.spec_decode.proposer import BuildContext, Proposer, register
 
@@ -161,7 +161,6 @@ def build(ctx: BuildContext) -> DraftModelProposer:
     spec = ctx.spec
     draft_tp = spec.draft_tensor_parallel_size  # checked against the target's by LLM
     path = resolve_model(spec.model)
-    check_draft_quantization(ctx.mesh, spec.quantization)  # before loading the weights
     config, params = load_model(path, dtype=ctx.dtype)
     vocab_map = None
     if spec.use_heterogeneous_vocab:

@@ -18,7 +18,7 @@ from models.heads import HeadConfig, head_to_cpu_layout, load_head
 from specjax.backends import use_cpu_weight_layout
 from specjax.builtin import resolve_model
 from specjax.kv_cache import KVCache
-from specjax.parallel.sharding import check_draft_quantization, quantized_draft
+from specjax.parallel.sharding import quantized_draft
 from specjax.sample.transforms import request_keys
 from specjax.spec_decode.proposer import BuildContext, Proposer
 
@@ -88,7 +88,6 @@ class HeadProposer(Proposer):
 def load_head_for(ctx: BuildContext) -> tuple[HeadConfig, dict]:
     """The head at ``speculative_config.model``, checked against the method and the target."""
     spec = ctx.spec
-    check_draft_quantization(ctx.mesh, spec.quantization)  # before loading the weights
     config, params = load_head(resolve_model(spec.model), dtype=ctx.jnp_dtype, target_config=ctx.target_config)
     if config.method != spec.method:
         raise ValueError(f"speculative_config.model {spec.model!r} is a {config.method} head, but method={spec.method!r}")
