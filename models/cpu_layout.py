@@ -136,8 +136,11 @@ LAYER_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
 """A decoder layer's projections by group, under the checkpoint layout's names."""
 
 
-def _input_dims(name: str) -> int:
-    return 2 if name == "o_proj" else 1  # o_proj's kernel is [H, E, D]; the others' [D, ...]
+def _projection_matrix(entry: Mapping[str, Any], name: str) -> np.ndarray:
+    """A projection's checkpoint kernel ``[in..., out...]`` -> ``[out, in]`` (o_proj's input is [H, E], the others'
+    [D])."""
+    kernel = entry["kernel"]
+    return output_major(kernel, int(np.prod(np.shape(kernel)[:2 if name == "o_proj" else 1])))
 
 
 def layer_q8_0(sub: Mapping[str, Any], prefix: str = "") -> tuple[dict, dict[str, QuantizedMatrix]]:
@@ -147,10 +150,9 @@ def layer_q8_0(sub: Mapping[str, Any], prefix: str = "") -> tuple[dict, dict[str
     for group, names in LAYER_PROJECTIONS:
         out[group] = dict(sub[group])
         for name in names:
-            kernel = np.asarray(sub[group][name]["kernel"], np.float32)
-            rows = int(np.prod(kernel.shape[:_input_dims(name)]))
-            m = blocks[f"{prefix}{group}/{name}"] = quantize_q8_0(output_major(kernel, rows))
-            out[group][name] = {**sub[group][name], "kernel": dequantize_q8_0(m).T.reshape(kernel.shape)}
+            entry = sub[group][name]
+            m = blocks[f"{prefix}{group}/{name}"] = quantize_q8_0(_projection_matrix(entry, name))
+            out[group][name] = {**entry, "kernel": dequantize_q8_0(m).T.reshape(np.shape(entry["kernel"]))}
     return out, blocks
 
 
@@ -217,11 +219,8 @@ def layer_to_cpu_layout(sub: Mapping[str, Any], *, quantized: Optional[Mapping[s
     ``quantized``, ``int8_activations``: GGUF blocks by ``prefix + "self_attn/q_proj"`` etc. (:func:`to_cpu_layout`)."""
     attn = sub["self_attn"]
 
-    def mat(entry, in_dims: int = 1) -> np.ndarray:  # a kernel [in..., out...] -> [out, in]
-        return output_major(entry["kernel"], int(np.prod(np.shape(entry["kernel"])[:in_dims])))
-
-    def packed(group: str, names: tuple[str, ...], in_dims: int = 1) -> jax.Array:
-        mats = [mat(sub[group][n], in_dims) for n in names]
+    def packed(group: str, names: tuple[str, ...]) -> jax.Array:
+        mats = [_projection_matrix(sub[group][n], n) for n in names]
         return panels(*mats, quantized=[_blocks(quantized, f"{prefix}{group}/{n}") for n in names],
                       dot=int8_activations)
 
@@ -229,7 +228,7 @@ def layer_to_cpu_layout(sub: Mapping[str, Any], *, quantized: Optional[Mapping[s
     if "bias" in attn["q_proj"]:
         qkv["bias"] = jax.numpy.asarray(np.concatenate(
             [np.asarray(attn[p]["bias"]).reshape(-1) for p in ("q_proj", "k_proj", "v_proj")]))
-    new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_p": packed("self_attn", ("o_proj",), 2)}}  # o: [H, E, D]
+    new_attn = {"qkv_proj": qkv, "o_proj": {"kernel_p": packed("self_attn", ("o_proj",))}}
     if "bias" in attn["o_proj"]:
         new_attn["o_proj"]["bias"] = attn["o_proj"]["bias"]
     new_attn.update({k: v for k, v in attn.items() if k not in ("q_proj", "k_proj", "v_proj", "o_proj")})
