@@ -1,7 +1,9 @@
 """Adaptive speculation length vs plain decoding vs the best static K, across loads (issue 13).
 
 For each method on the shipped pair (draft_model with builtin:draft, eagle3 with builtin:eagle3, ngram) and
-each load (batch 1 / 8 / 32 requests in one ``generate`` call, greedy / temperature 0.8 seeded per prompt),
+each load (batch 1 / 8 / 32 requests in one ``generate`` call, greedy / temperature 0.8 seeded per prompt and
+round: with the same seeds every round, a static K's speed at temperature 0.8 is one draw of its accepted drafts
+for all rounds, ~5% apart between draws at batch 1, and the best of three such draws flatters the best static K),
 every system generates the same held-out stdlib prompts (``--prompt-len`` tokens, ``--new-tokens`` new tokens,
 ignore_eos) in interleaved rounds, every other round in reverse order: plain decoding of the target, the adaptive
 controller (``"adaptive": true``, K <= 4), static K in ``--static-ks`` (``"adaptive": false``) and, unless
@@ -92,16 +94,17 @@ def build(args, spec: dict | None) -> specjax.LLM:
                        int8_activations=args.int8_activations)
 
 
-def run_load(llm, prompts, batch: int, temperature: float, new_tokens: int, calls: int = 1):
-    """``calls`` generate calls of ``batch`` prompts each (consecutive prompts); total wall time.
+def run_load(llm, prompts, batch: int, temperature: float, new_tokens: int, calls: int = 1, seed: int = 0):
+    """``calls`` generate calls of ``batch`` prompts each (consecutive prompts, seeded ``seed``, ``seed`` + 1,
+    ...); total wall time.
 
     A suffix proposer starts each run with an empty global tree: every round repeats the same prompts, and a
     tree holding the previous rounds' outputs would draft them back (greedy outputs repeat exactly).
     """
     if getattr(llm.speculative_config, "method", None) == "suffix":
         reset_suffix_cache(llm)
-    params = [specjax.SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=i)
-              for i in range(batch * calls)]
+    params = [specjax.SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True,
+                                     seed=seed + i) for i in range(batch * calls)]
     before = llm.get_metrics()
     ids, elapsed = [], 0.0
     for c in range(calls):
@@ -200,7 +203,8 @@ def main() -> None:
                     outputs = {}
                     for name in names if rep % 2 == 0 else names[::-1]:
                         elapsed, outputs[name], before, after = run_load(llms[name], prompts, batch, temperature,
-                                                                         args.new_tokens, calls)
+                                                                         args.new_tokens, calls,
+                                                                         seed=rep * batch * calls)
                         times[name].append(elapsed)
                         metrics[name] = (before, after)
                     if temperature == 0.0:

@@ -14,9 +14,9 @@ drafting only when that beats a step without drafts by ``min_speedup`` or while 
 ``learn_drafts`` drafts teach it the acceptance (see ``learn_z``, ``learn_requests``), where ``E[accepted | c]
 = sum_{j<=c} prod_{i<=j} alpha_i`` with per-position conditional acceptance ``alpha_i`` estimated per request
 (a Beta-style mean with the method's running average as prior, greedy and sampled requests apart), and
-``cost`` is the wall time of that step kind (:class:`~specjax.spec_decode.costs.CostModel`: warmup's time,
-then the median of recent real steps; a drafting K next to the chosen one is re-measured once per
-``cost_max_age`` steps; never above a kind that does more work).
+``cost`` is the wall time of that step kind (:class:`~specjax.spec_decode.costs.CostModel`: the machine's
+current speed x the kind's measured relation to it; a drafting K next to the chosen one is re-measured once per
+``cost_max_age`` steps while it could be the better one; never above a kind that does more work).
 
 Where the proposer's weights ship its acceptance measured against this target (``acceptance.json``,
 :class:`~specjax.spec_decode.acceptance.AcceptancePrior`), the method's running average starts from it (weighing
@@ -40,7 +40,7 @@ import numpy as np
 from specjax.spec_decode.acceptance import (AcceptancePrior, AcceptanceStats, expected_accepted_sums,
                                                prior_strength, upper_bound)
 from specjax.spec_decode.controller_config import LEARN_DRAFTS_PER_REQUEST, ControllerConfig  # noqa: F401 (re-exported)
-from specjax.spec_decode.costs import CostModel
+from specjax.spec_decode.costs import RELATION_MIN_STEPS, CostModel
 from specjax.spec_decode.drain import drain_gains
 from specjax.spec_decode.plan import Decision, RowCaps
 
@@ -235,7 +235,7 @@ class SpeculationController:
         if measure:
             k = draft_k
         else:
-            k = self._explore(rows, draft_k, cap_row, plan.sampled) if drafting else 0
+            k = self._explore(rows, draft_k, cap_row, plan, gains) if drafting else 0
         explored = drafting and k != draft_k
         if k == 0 and not detached and probes:
             k = 1  # a probe: one draft for the rows whose estimate has not been tested for a while
@@ -250,8 +250,8 @@ class SpeculationController:
         self.count_step(k, detached)
         chosen_rate = attached_rate  # (tokens a step as _plan_rates counts them)
         if k and not math.isnan(gains[k]):
-            chosen_rate = ((n if plan.remaining is None else 1) + gains[k]) / self.costs.estimate(
-                rows, k, False, plan.sampled)
+            chosen_rate = ((n if plan.remaining is None else 1) + gains[k]) / self.costs.estimate(rows, k, False,
+                                                                                                 plan.sampled)
         self._last_rates = None if detached else ((rows, plan.sampled), chosen_rate, detached_rate)
         ahead = self._ahead(rows, plan, k, cap_row) if not detached else 1
         hold, held = 0, None
@@ -334,15 +334,14 @@ class SpeculationController:
         learn = self._learning_k(rows, len(open_caps), open_caps, plan.sampled, ids=plan.request_ids) if want else 0
         if learn or (want and want_rate >= self.config.min_speedup * attached_rate):
             ahead = max(ahead, learn or want)
-        if k and self._explore(rows, k, open_caps, plan.sampled) == k + 1:
+        if k and self._explore(rows, k, open_caps, plan, gains) == k + 1:
             ahead = max(ahead, k + 1)
         return min(ahead, self.k_max)
 
     def shadow_due(self, rows: int, sampled: bool) -> bool:
         """Time the target alone on the rows of the step just run, which the last plan ran attached (a *shadow*
-        step that writes nothing, see ``ControllerConfig.shadow_band``): its cost in this bucket is a scaled
-        warmup guess, and its rate at that guess is within ``shadow_band`` of the chosen kind's. Once timed, not
-        again before the measurement expires (``cost_max_age`` real steps of the bucket without the kind)."""
+        step that writes nothing, see ``ControllerConfig.shadow_band``): it was not timed in the bucket's last
+        ``cost_max_age`` real steps, and its rate is within ``shadow_band`` of the chosen kind's."""
         last, band = self._last_rates, self.config.shadow_band
         if not band or last is None or last[0] != (rows, sampled) or not last[2] or last[1] > band * last[2]:
             return False
@@ -352,10 +351,7 @@ class SpeculationController:
         """One plan's :attr:`lookup_saving` (it starts at the first hit: before any, ``min_lookup_hits`` alone
         decides)."""
         last = self.lookup_saving
-        if last is None:
-            self.lookup_saving = seconds or None
-        else:
-            self.lookup_saving = last + (seconds - last) / 16
+        self.lookup_saving = (seconds or None) if last is None else last + (seconds - last) / 16
 
     def _lookups_dear(self, rows: int, plan: RowCaps) -> bool:
         """Several rows' host lookups saved less step time per plan, recently, than a full plan costs: a plan
@@ -371,8 +367,7 @@ class SpeculationController:
         return planning > self.config.max_planning_share * (self.costs.estimate(rows, 0, False, sampled) - planning)
 
     @staticmethod
-    def _hit_plan(plan: RowCaps, k: int) -> tuple[int, np.ndarray]:
-        """(K, int32 caps [R]): the plan of K drafts had a host lookup found every draft the rows ask for."""
+    def _hit_plan(plan: RowCaps, k: int) -> tuple[int, np.ndarray]:  # (K, int32 caps [R]): if a lookup found all
         return k, np.array([min(c, k) for c in plan.caps], np.int32)
 
     def _could_draft(self, rows: int, plan: RowCaps) -> int:
@@ -388,8 +383,7 @@ class SpeculationController:
         return learn_k or (draft_k if draft_rate >= self.config.min_speedup * attached_rate else 0)
 
     def held_step(self, k: int = 0) -> None:
-        """A decoding step of K = ``k`` ran a held decision (:attr:`Decision.hold`) for the same rows, without
-        planning."""
+        """A decoding step of K = ``k`` ran a held decision (:attr:`Decision.hold`), without planning."""
         self._held_steps += 1
         self.count_step(k, False)
 
@@ -397,8 +391,7 @@ class SpeculationController:
         """Drafting at ``k`` (> 0) never ran in a real step of this bucket: its cost is warmup's time for it,
         scaled like the kinds that did. Detaching cannot be undone, so it does not rest on that: warmup's
         all-padding rows time kinds unevenly (shipped pair at batch 8, sampled: drafting looked 20% dearer than
-        it was, and new requests were prefilled detached where fixed K = 2 ran 1.1-1.3x plain). A kind whose
-        real measurements expired counts as measured (it keeps its relation, see ``CostModel``)."""
+        it was, and new requests were prefilled detached where fixed K = 2 ran 1.1-1.3x plain)."""
         return k > 0 and not self.costs.seen((rows, k, False, sampled))
 
     def _no_drafting_measured(self, rows: int, sampled: bool) -> bool:
@@ -409,18 +402,25 @@ class SpeculationController:
         measured, and every prefill ran attached, 0.91x plain)."""
         return not any(self.costs.seen((rows, k, False, sampled)) for k in range(1, self.k_max + 1))
 
-    def _explore(self, rows: int, k: int, cap_row: list[int], sampled: bool) -> int:
+    def _explore(self, rows: int, k: int, cap_row: list[int], plan: RowCaps, gains: list[float]) -> int:
         """``k``, or a neighbouring drafting K whose cost was not measured in a real step for ``cost_max_age``
-        steps of the bucket (once per that many steps each): warmup's all-padding steps time each kind only
-        roughly, and without real measurements of its neighbours the chosen K could never be found wrong. A
-        neighbour costs about what ``k`` costs, and its drafts are verified as exactly. Where the engine holds
-        plans without host lookups, the neighbour runs two steps (:attr:`Decision.hold`): the first runs cold,
-        the second is what the kind costs in a run (see ``CostModel``)."""
-        max_age = self.config.cost_max_age
+        steps of the bucket: warmup's all-padding steps time each kind only roughly, and without real measurements
+        of its neighbours the chosen K could never be found wrong (a neighbour costs about what ``k`` costs, and its
+        drafts are verified as exactly). Once measured in ``RELATION_MIN_STEPS`` real steps, only while its expected
+        tokens per second (``plan``'s rows drafting up to ``cap_row``, ``gains`` [K_max + 1]) are within
+        ``explore_margin`` of ``k``'s. Where the engine holds plans without host lookups, the neighbour runs two
+        steps (:attr:`Decision.hold`): the first runs cold, the second is what the kind costs in a run."""
+        max_age, sampled = self.config.cost_max_age, plan.sampled
         if max_age:
+            n = len(plan.request_ids) if plan.remaining is None else 1  # (tokens a plain step commits, as counted)
+            rate = (n + gains[k]) / self.costs.estimate(rows, k, False, sampled)
             for kk in (k + 1, k - 1):
-                if (1 <= kk <= self.k_max and self.costs.age((rows, kk, False, sampled)) >= max_age
-                        and any(c > min(k, kk) for c in cap_row)):  # some row's cap differs at kk
+                key = (rows, kk, False, sampled)
+                if (1 <= kk <= self.k_max and self.costs.age(key) >= max_age
+                        and any(c > min(k, kk) for c in cap_row)  # some row's cap differs at kk
+                        and (self.costs.measurements(key) < RELATION_MIN_STEPS
+                             or (n + gains[kk]) / self.costs.estimate(rows, kk, False, sampled)
+                             >= (1.0 - self.config.explore_margin) * rate)):
                     return kk
         return k
 

@@ -49,6 +49,13 @@ class ControllerConfig:
     """Real measurements of a step kind not chosen in this many real steps of its bucket are forgotten (0 =
     never): the kind falls back to its warmup time scaled like the others, so a kind measured once in a slow
     moment and never chosen since gets tried again (at most one step in this many)."""
+    explore_margin: float = 0.1
+    """A neighbouring K measured in ``RELATION_MIN_STEPS`` real steps is explored again (``cost_max_age``) only
+    while its expected tokens per second are within this share of the chosen K's. Where the rows' caps shrink (a
+    request's last tokens) the kinds below are far worse: exploring each as it fell due, eagle3 at batch 1 with
+    q8_0 drafts took 2312 steps for 120 requests of 64 tokens where fixed K = 4 took 2190 (2201 with the margin).
+    Fewer measurements may be one slow moment: draft_model at batch 1 put K = 3 11% above K = 4 from two steps,
+    where a run of K = 3 costs ~10% less, and never tried it again."""
     min_speedup: float = 1.1
     """Drafting must promise this many times the expected tokens per second of a plain step: the rates leave
     out measurement noise and the proposer's prefill, and "never slower than plain" wants a margin."""
@@ -111,16 +118,17 @@ class ControllerConfig:
     target: a plan with its lookup every 8 steps, ~0.33 ms each in a ~2 ms step, read 0.93-0.97x plain)."""
 
     shadow_band: float = 1.5
-    """Where the target alone (a detached step) could be chosen but its cost in the bucket is warmup's scaled
-    guess (never timed in a real step, or not for ``cost_max_age`` of them), and the kind a plan chose promises
-    less than this many times its tokens per second, the engine times it on the step's rows right after that
-    step, twice, in a *shadow* step that writes nothing (0 = never). Warmup's all-padding steps and the scale
+    """Where the target alone (a detached step) could be chosen but was not timed in the bucket's last
+    ``cost_max_age`` real steps (or never: then its cost is warmup's scaled guess), and the kind a plan chose
+    promises less than this many times its tokens per second, the engine times it on the step's rows right after
+    that step, twice, in a *shadow* step that writes nothing (0 = never). Warmup's all-padding steps and the scale
     the drafting kinds' real steps put on them had put the target alone 50% above its cost: eagle3 at batch 8
     greedy on the shipped pair read 3.4 ms where it takes 2.2 and drafted at 0.85x plain."""
 
     def __post_init__(self) -> None:
         for name in ("prior_strength", "sampled_prior_strength", "max_prior_strength", "prior_drafts", "min_gain",
-                     "min_speedup", "learn_z", "detach_z", "min_lookup_hits", "max_planning_share", "shadow_band"):
+                     "min_speedup", "explore_margin", "learn_z", "detach_z", "min_lookup_hits", "max_planning_share",
+                     "shadow_band"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")

@@ -8,7 +8,17 @@ import math
 
 
 RELATION_MIN_STEPS = 8
-"""Real measurements of a kind that its relation to the other kinds needs (see :class:`CostModel`)."""
+"""Real measurements of a kind before its steps move its row bucket's level; the inverse weight of a step right
+after another kind's in the offset of a kind with ``window`` measurements (see :class:`CostModel`)."""
+
+LEVEL_RATE = 0.2
+"""How far each step of a known kind moves its row bucket's level towards its time (see :class:`CostModel`)."""
+
+RESIDUAL_CLIP = 0.2
+"""The most one step's time, in log seconds, moves a level or a relation (see :class:`CostModel`)."""
+
+FIRST_CLIP = 0.5
+"""The most a kind's first real measurement, in log seconds, puts it from its prior (see :class:`CostModel`)."""
 
 
 def _median(values) -> float:
@@ -43,23 +53,41 @@ class CostModel:
     bucket that does more work. ``sampled``: some row samples (the sampler's random path, dearer than argmax,
     runs only then).
 
-    A kind measured in real steps costs the median of its recent ones; a drafting kind with fewer than
-    ``RELATION_MIN_STEPS`` of them no more than its scaled warmup time (below): timing noise is one-sided, and a
-    kind chosen seldom (an explored neighbour) would otherwise be kept dear by one slow step and never chosen to be
-    measured again. Warmup measures every kind on
-    all-padding rows, which do not cost what real rows cost (they all read one KV block; measured 1.6x faster
-    at 32 rows, slower at 1); a kind not yet seen in real steps costs its warmup time scaled by the real /
-    warmup ratio of the kinds of its bucket that were (else a kind the controller keeps choosing would be
-    compared in real time against the others in warmup time).
+    The machine's speed drifts while the controller compares kinds it ran at different moments (shipped pair,
+    eagle3 at batch 1 with q8_0 drafts: the chosen K = 4's recent steps went from 1.15 to 1.34 ms within a few
+    seconds, while the K = 3 it had last run stood at 1.04 or 1.16 ms depending on when). So a kind's cost is
+    the row bucket's *level* times the kind's *relation*, in log seconds: ``log cost = level(rows) +
+    offset(kind)``. Every real step pulls both towards its time: the level follows the recent steps of the
+    kinds already known (``LEVEL_RATE``, from kinds with ``RELATION_MIN_STEPS`` measurements or more), and the
+    kind's offset averages its own residuals (weight ``1 / n``), so a kind chosen seldom (an explored
+    neighbour, one timed step per exploration) is priced by what its steps cost next to the steps around them,
+    averaged over explorations, not by what one of its steps cost in a slow moment long ago. Once a kind has
+    ``window`` measurements, only a step of it right after a step of another kind moves its offset (weight ``1 /
+    RELATION_MIN_STEPS``): a long run of one kind says how fast the machine is now, not how the kinds compare
+    (else its offset would take a share of every drift, and the kinds not running would be priced off by that
+    share), and a kind chosen for long, then explored, must still be re-priced in a few explorations. A step's
+    residual counts at most ``RESIDUAL_CLIP`` (one slow step: an interrupt, a collection), and a kind's first
+    measurement puts it at most ``FIRST_CLIP`` from its prior. The level is shared by greedy and sampled steps
+    of a row bucket (one machine); their kinds are apart.
+
+    Warmup measures every kind on all-padding rows, which do not cost what real rows cost (they all read one KV
+    block; measured 1.6x faster at 32 rows, slower at 1): a kind not yet seen in real steps is taken at its
+    warmup time times its twin's real / warmup ratio (the same kind with greedy and sampled swapped) where that
+    was measured, else the median ratio of the kinds of its bucket that were (none: of the other sampling's;
+    neither: its warmup time). Warmup times the sampler's extra work for the same executable fairly, while its
+    all-padding rows are off by a different factor for each kind (shipped pair, draft_model at batch 8: after a
+    greedy load ran detached at 2.93 ms, the sampled load read a detached step at 4.25 ms from its bucket's
+    drafting kinds' scale, drafted K = 1 in 93% of its steps and ran 0.90x plain; the twin's rule gives 2.90 ms
+    where the sampled load measured 2.91).
 
     A step right after a step of another kind (or a prefill) runs cold: its executable's code and buffers are
     out of the caches (shipped pair, draft_model at batch 1, greedy, medians: K = 3 steps cost 2.12 ms right
     after another kind, 1.96 ms after a K = 3 step; the K = 4 steps it explored, all right after others, 2.56
-    ms, where a fixed K = 4 ran 0.26 ms dearer than a fixed K = 3). Plans hold, so a chosen
-    kind runs in runs; its cost is what a step costs in one. Such cold steps count only for a kind that has
-    not been measured in a run (a kind the controller only ever visits for one step is compared at what one
-    step costs), and its first step in a run replaces them; the controller explores a neighbouring K for two
-    steps in a row (see ``SpeculationController._explore``).
+    ms, where a fixed K = 4 ran 0.26 ms dearer than a fixed K = 3). Plans hold, so a chosen kind runs in runs;
+    its cost is what a step costs in one. Cold steps count only for a kind never measured in a run (a kind the
+    controller only ever visits for one step is compared at what one step costs), and its first step in a run
+    replaces them; the controller explores a neighbouring K for two steps in a row (see
+    ``SpeculationController._explore``), once per ``max_age`` real steps of the bucket without it (:meth:`age`).
 
     A step's measurement leaves out the controller's planning before it, which is paid whichever kind the plan
     picks (ngram at batch 1 on the shipped target read plain steps, mostly chosen by full plans, as dear as K =
@@ -72,86 +100,93 @@ class CostModel:
     larger: the bucket's median is added to every kind's estimate. It is small (0.04-0.05 ms a step at batch 1
     on the shipped target) but tips close comparisons: eagle3 at batch 1, T 0.8 had prefilled a request detached
     with drafting at K = 2 estimated 1.09x the target alone's tokens per second, short of the 1.1x margin (1.12x
-    with it), where fixed K = 2 ran 1.2x plain.
-
-    Measurements of a kind not chosen for ``max_age`` real steps of its bucket expire, so a kind measured in a
-    slow moment is tried again. Its estimate is then its warmup time x the bucket's scale x the relation its
-    real / warmup ratio had to the median of the bucket's other measured kinds' when last read while it was
-    chosen, with ``RELATION_MIN_STEPS`` measurements or more in its window (none: 1; fewer may be one slow
-    moment). Warmup's all-padding steps time kinds unevenly, and the bucket's scale then comes from the kinds
-    still chosen: shipped pair, eagle3 at batch 1 T 0.8, after a long detached stretch the drafting K = 2 fell
-    back to 6.4 ms, 2.5x the target alone, where the fixed K = 2 system's steps implied ~5 ms. (Scaling plain
-    and drafting kinds apart, tried before, estimated the target alone from the attached plain step's ratio
-    where it was measured itself; see benchmarks/README.md.) A kind with neither goes by its twin of the other
-    sampling where that one was measured (:meth:`_twin_seconds`)."""
+    with it), where fixed K = 2 ran 1.2x plain."""
 
     def __init__(self, window: int, max_age: int = 0):
         self.window = window
         self.max_age = max_age
         self.frozen = False
         """Ignore new measurements (tests pin a table with :meth:`set`)."""
-        self._seconds: dict[tuple, float] = {}  # each kind's cost before the cap (see the class docstring)
-        self._dirty: dict[tuple, set] = {}  # (rows, sampled) -> its (kind, warmup) measured since the last read
-        self._stale: dict[tuple, set] = {}  # (rows, sampled) -> its kinds with new real measurements: its costs
-        # are recomputed (``_refresh``) before they are next read
-        self._real: dict[tuple, collections.deque] = {}
-        self._warm: dict[tuple, collections.deque] = {}
-        self._median: dict[tuple, float] = {}  # (kind, warmup) -> median of its deque
+        self._warm: dict[tuple, collections.deque] = {}  # kind -> its warmup times
+        self._warm_log: dict[tuple, float] = {}  # kind -> log of their median (brought up to date lazily)
+        self._warm_dirty: set[tuple] = set()  # kinds with warmup times since their median was last taken
+        self._level: dict[int, float] = {}  # rows -> the bucket's level (log seconds)
+        self._offset: dict[tuple, float] = {}  # kind -> its relation to its level (log), once measured for real
+        self._count: dict[tuple, int] = {}  # kind -> real measurements in its offset (since its first in a run)
+        self._last: dict[int, tuple] = {}  # rows -> the kind of its last step that counted
+        self._in_run: set[tuple] = set()  # kinds measured in a run of them (their cold steps no longer count)
         self._kinds: dict[tuple, set] = {}  # (rows, sampled) -> the kinds measured in that bucket
+        self._seconds: dict[tuple, float] = {}  # each kind's cost before the cap
         self._capped: dict[tuple, float] = {}  # seconds capped by the kinds that do more work (the envelope)
+        self._stale: set[tuple] = set()  # (rows, sampled) buckets whose costs are recomputed when next read
         self._clock: dict[tuple, int] = {}  # (rows, sampled) -> real steps measured in that bucket
-        self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement (kept after
-        # its measurements expire: the kinds ever measured in a real step, or set)
+        self._stamp: dict[tuple, int] = {}  # kind -> its bucket's clock at its last real measurement
         self._planning: dict[tuple, collections.deque] = {}  # (rows, sampled) -> planning seconds per step
         self._full_plans: dict[tuple, collections.deque] = {}  # (rows, sampled) -> seconds of each full plan
         self._overhead: dict[tuple, collections.deque] = {}  # (rows, sampled) -> host seconds between steps
         self._overhead_median: dict[tuple, float] = {}  # (rows, sampled) -> median of its deque (read lazily)
-        self._relative: dict[tuple, float] = {}  # kind -> its real / warmup ratio over its bucket's other kinds'
-        # (median), as last read while it was chosen with RELATION_MIN_STEPS or more measurements
-        self._in_run: set[tuple] = set()  # kinds whose current real measurements come from runs of them
 
     def _window(self, values=()) -> collections.deque:
-        """A kind's (or a bucket's planning) measurements: the last ``window`` of them."""
+        """A kind's warmup (or a bucket's planning) measurements: the last ``window`` of them."""
         return collections.deque(values, maxlen=self.window)
+
+    def _touch(self, key: tuple) -> None:
+        """``key``'s row bucket changed: both samplings' costs are recomputed when next read (one level)."""
+        _entry(self._kinds, (key[0], key[3]), set).add(key)
+        self._stale.add((key[0], False))
+        self._stale.add((key[0], True))
 
     def observe(self, key: tuple, seconds: float, *, warmup: bool = False, switched: bool = False) -> None:
         """One measured step of kind ``key``; ``warmup``: an all-padding step timed at warmup; ``switched``: the
         step before it was of another kind (or a prefill), so it ran cold (see the class docstring).
 
-        Runs every step, so it only records: medians and the envelope are recomputed when a cost is next read
-        (plans are made far less often than steps run)."""
+        Runs every step, so it only records: costs and the envelope are recomputed when next read (plans are
+        made far less often than steps run)."""
         if self.frozen:
             return
+        if warmup:
+            _entry(self._warm, key, self._window).append(seconds)
+            self._warm_dirty.add(key)
+            self._touch(key)
+            return
         bucket = (key[0], key[3])
-        store = self._warm if warmup else self._real
-        times = store.get(key)
-        if not warmup:
-            if times is not None and key in self._warm and self.age(key) >= self.max_age > 0:
-                times = None  # stale (as the next refresh would find it): the new measurement starts over
-            if times is None:
-                self._in_run.discard(key)
-            elif switched and key in self._in_run:  # a cold step of a kind timed in runs: not what a run costs
-                self._clock[bucket] = self._clock.get(bucket, 0) + 1
-                return
-            if not switched and key not in self._in_run:  # its first step in a run replaces its cold ones
-                times = None
-                self._in_run.add(key)
-        if times is None:
-            times = store[key] = self._window()
-        times.append(seconds)
-        _entry(self._dirty, bucket, set).add((key, warmup))
-        _entry(self._kinds, bucket, set).add(key)
-        if not warmup:
-            self._clock[bucket] = self._stamp[key] = self._clock.get(bucket, 0) + 1
+        clock = self._clock[bucket] = self._clock.get(bucket, 0) + 1
+        if switched and key in self._in_run:  # a cold step of a kind timed in runs: not what a run costs
+            return
+        count = self._count.get(key, 0)
+        if not switched and key not in self._in_run:  # its first step in a run replaces its cold ones
+            self._in_run.add(key)
+            count = 0
+        self._stamp[key] = clock
+        rows, y = key[0], math.log(max(seconds, 1e-9))
+        level = self._level.get(rows)
+        if level is None:  # the bucket's first real step: it sets the level, the kind keeps its prior relation
+            level = self._level[rows] = y - self._prior(key)
+        if count == 0:
+            self._offset[key] = y - level
+            if key in self._warm:  # (within FIRST_CLIP of its prior: one slow first step must not price it out)
+                prior = self._prior(key)
+                self._offset[key] = prior + min(FIRST_CLIP, max(-FIRST_CLIP, y - level - prior))
+        else:
+            residual = min(RESIDUAL_CLIP, max(-RESIDUAL_CLIP, y - level - self._offset[key]))
+            if count < self.window:
+                self._offset[key] += residual / (count + 1)
+            elif self._last.get(rows) != key:  # (a long run of one kind says nothing of relations)
+                self._offset[key] += residual / RELATION_MIN_STEPS
+            if count >= RELATION_MIN_STEPS:
+                self._level[rows] = level + LEVEL_RATE * residual
+        self._last[rows] = key
+        self._count[key] = count + 1
+        self._touch(key)
 
     def set(self, key: tuple, seconds: float) -> None:
-        """Replace a kind's measurements by one real value."""
-        bucket = (key[0], key[3])
-        self._real[key] = self._window([seconds])
+        """Pin a kind's cost at one real value (at the bucket's current level)."""
+        level = self._level.setdefault(key[0], 0.0)
+        self._offset[key] = math.log(seconds) - level
+        self._count[key] = self.window
         self._in_run.add(key)
-        _entry(self._dirty, bucket, set).add((key, False))
-        _entry(self._kinds, bucket, set).add(key)
-        self._stamp[key] = self._clock.get(bucket, 0)
+        self._stamp[key] = self._clock.get((key[0], key[3]), 0)
+        self._touch(key)
 
     @property
     def seconds(self) -> dict[tuple, float]:
@@ -159,79 +194,55 @@ class CostModel:
         self._flush()
         return self._seconds
 
-    def _flush(self, bucket: tuple | None = None) -> None:
-        """Bring the medians of every kind measured since the last read up to date, and the costs of ``bucket`` =
-        (rows, sampled) (None: of every bucket) where its kinds, or its twin's real ones, were measured since it
-        was last refreshed (see :meth:`_twin_seconds`). Buckets not read wait: a plan reads one (a refresh of
-        both the greedy and the sampled bucket took ~30 us of each batch-1 plan)."""
-        if self._dirty:
-            dirty, self._dirty = self._dirty, {}
-            for (rows, sampled), changed in dirty.items():
-                for key, warmup in changed:
-                    self._median[key, warmup] = _median((self._warm if warmup else self._real)[key])
-                real = {key for key, warmup in changed if not warmup}
-                _entry(self._stale, (rows, sampled), set).update(real)
-                if real and (rows, not sampled) in self._kinds:
-                    _entry(self._stale, (rows, not sampled), set)
-        if bucket is None:
-            stale, self._stale = self._stale, {}
-            for b, keys in stale.items():
-                self._refresh(b, keys)
-        elif (keys := self._stale.pop(bucket, None)) is not None:
-            self._refresh(bucket, keys)
+    def _warm_of(self, key: tuple) -> float | None:
+        """Log of ``key``'s median warmup time (None: not timed at warmup)."""
+        if self._warm_dirty:
+            for kk in self._warm_dirty:
+                self._warm_log[kk] = math.log(max(_median(self._warm[kk]), 1e-9))
+            self._warm_dirty = set()
+        return self._warm_log.get(key)
 
-    def _refresh(self, bucket: tuple, measured: set = frozenset()) -> None:
+    def _prior(self, key: tuple) -> float:
+        """A kind's offset before it is measured in a real step: its warmup time's, shifted by its twin's real /
+        warmup ratio, else its bucket's median (see the class docstring); 0 without warmup times."""
+        warm = self._warm_of(key)
+        if warm is None:
+            return 0.0
+        twin = (*key[:3], not key[3])
+        if twin in self._offset and (twin_warm := self._warm_of(twin)) is not None:
+            return warm + self._offset[twin] - twin_warm
+        for bucket in ((key[0], key[3]), (key[0], not key[3])):
+            shifts = [self._offset[kk] - w for kk in self._kinds.get(bucket, ())
+                      if kk in self._offset and (w := self._warm_of(kk)) is not None]
+            if shifts:
+                return warm + _median(shifts)
+        return warm
+
+    def _flush(self, bucket: tuple | None = None) -> None:
+        """Recompute the costs of ``bucket`` = (rows, sampled) (None: of every bucket) if measured since."""
+        if bucket is None:
+            stale, self._stale = self._stale, set()
+            for b in stale:
+                self._refresh(b)
+        elif bucket in self._stale:
+            self._stale.discard(bucket)
+            self._refresh(bucket)
+
+    def _refresh(self, bucket: tuple) -> None:
         """Recompute the costs of ``bucket`` = (rows, sampled), then their cap: a suffix minimum in work order
-        (detached K=0, then attached K=0, 1, ...). ``measured``: its kinds with new real measurements."""
-        kinds = self._kinds[bucket]
-        med = self._median
-        if self.max_age and not self.frozen:
-            clock = self._clock.get(bucket, 0)
-            for kk in kinds:
-                if kk in self._real and kk in self._warm and clock - self._stamp[kk] >= self.max_age:
-                    # Stale: its scaled warmup time stands in until it is chosen again (with its last relation).
-                    del self._real[kk]
-                    self._in_run.discard(kk)
-        real = {kk: med[kk, False] for kk in kinds if kk in self._real}
-        ratios = {kk: real[kk] / med[kk, True] for kk in real if kk in self._warm}
-        scale = _median(ratios.values()) if ratios else 1.0
-        for kk in measured & ratios.keys():
-            # Its relation to the bucket's other measured kinds, while it is chosen and enough measurements back
-            # it (fewer may be one slow moment).
-            others = [r for k2, r in ratios.items() if k2 != kk]
-            if others and len(self._real[kk]) >= min(self.window, RELATION_MIN_STEPS):
-                self._relative[kk] = ratios[kk] / _median(others)
+        (detached K=0, then attached K=0, 1, ...)."""
+        kinds = self._kinds.get(bucket, ())
+        level = self._level.get(bucket[0])
         for kk in kinds:
-            if kk in real:
-                self._seconds[kk] = real[kk]
-                if kk[1] and kk in self._warm and len(self._real[kk]) < RELATION_MIN_STEPS:
-                    # A drafting kind with few real measurements is taken at its scaled warmup time if that is
-                    # lower: one slow step must not keep a kind from being chosen (and measured) again.
-                    self._seconds[kk] = min(real[kk], med[kk, True] * scale * self._relative.get(kk, 1.0))
-            elif kk not in self._relative and (twin := self._twin_seconds(kk)) is not None:
-                self._seconds[kk] = twin
+            offset = self._offset.get(kk)
+            if level is None:  # nothing measured for real in this row bucket: warmup's time
+                self._seconds[kk] = math.exp(self._warm_of(kk))
             else:
-                self._seconds[kk] = med[kk, True] * scale * self._relative.get(kk, 1.0)
+                self._seconds[kk] = math.exp(level + (offset if offset is not None else self._prior(kk)))
         low = math.inf
         for kk in sorted(kinds, key=lambda kk: (not kk[2], kk[1]), reverse=True):
             low = min(low, self._seconds[kk])
             self._capped[kk] = low
-
-    def _twin_seconds(self, key: tuple) -> float | None:
-        """A kind never measured in a real step of its bucket, from its twin (the same kind with greedy and
-        sampled swapped) where that one has current real measurements: the twin's real time x the ratio of the
-        two kinds' warmup times (None where there is no twin to go by). Warmup times the sampler's extra work
-        for the same executable fairly, while its all-padding rows are off by a different factor for each kind.
-        Shipped pair, draft_model at batch 8 (bench_adaptive at db5803e): after a greedy load ran detached at
-        2.93 ms, the sampled load read a detached step at 4.25 ms from its bucket's drafting kinds' scale, drafted
-        K = 1 in 93% of its steps and ran 0.90x plain. In a shorter run of the same loads (greedy detached 2.50
-        ms real / 1.73 warmup; sampled detached warmup 2.01) the twin's rule gives 2.90 ms where the sampled load,
-        which detached there, measured 2.91."""
-        twin = (*key[:3], not key[3])
-        if twin not in self._real or key not in self._warm or twin not in self._warm or self.age(twin) >= (
-                self.max_age or math.inf):
-            return None
-        return self._median[twin, False] * self._median[key, True] / self._median[twin, True]
 
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
@@ -240,9 +251,13 @@ class CostModel:
         """Kind ``key`` ran in a real step at least once (its estimate is not warmup time alone)."""
         return key in self._stamp
 
+    def measurements(self, key: tuple) -> int:
+        """Real measurements of ``key`` behind its cost (since its first step in a run)."""
+        return self._count.get(key, 0)
+
     def age(self, key: tuple) -> float:
         """Real steps of ``key``'s bucket since ``key`` was last measured in one (inf: never)."""
-        if key not in self._real:
+        if key not in self._stamp:
             return math.inf
         return self._clock.get((key[0], key[3]), 0) - self._stamp[key]
 
