@@ -299,11 +299,19 @@ def test_the_target_alone_is_timed_in_a_shadow_step_only_while_its_cost_is_a_gue
     c.costs.observe((1, 1, False, False), 2.5)
     _decide(c, 1, ["a"], [False], [K], [True])
     assert not c.shadow_due(1, False)
-    for _ in range(8):  # ... until its measurement expires
+    for _ in range(14):  # ... until twice cost_max_age steps ran without it (one measurement behind its cost)
         c.costs.observe((1, 1, False, False), 2.5)
-    assert c.costs.age((1, 0, True, False)) >= 8
+        assert not c.shadow_due(1, False)
+    c.costs.observe((1, 1, False, False), 2.5)
+    assert c.costs.age((1, 0, True, False)) == 16
     d = _decide(c, 1, ["a"], [False], [K], [True])
     assert not d.detached and c.shadow_due(1, False)
+    c.costs.observe((1, 0, True, False), 1.0)  # a second one: then four times, at most eight times
+    for _ in range(31):
+        c.costs.observe((1, 1, False, False), 2.5)
+    assert not c.shadow_due(1, False)
+    c.costs.observe((1, 1, False, False), 2.5)
+    assert c.shadow_due(1, False)
     # Drafting far ahead of the target alone (every draft accepted): no shadow; nor with shadow_band = 0.
     sure = _controller({}, can_detach=True, cost_max_age=8)
     for k in range(K + 1):

@@ -340,12 +340,11 @@ class SpeculationController:
 
     def shadow_due(self, rows: int, sampled: bool) -> bool:
         """Time the target alone on the rows of the step just run, which the last plan ran attached (a *shadow*
-        step that writes nothing, see ``ControllerConfig.shadow_band``): it was not timed in the bucket's last
-        ``cost_max_age`` real steps, and its rate is within ``shadow_band`` of the chosen kind's."""
-        last, band = self._last_rates, self.config.shadow_band
+        step that writes nothing) now: see ``ControllerConfig.shadow_band`` for when."""
+        last, band, key = self._last_rates, self.config.shadow_band, (rows, 0, True, sampled)
         if not band or last is None or last[0] != (rows, sampled) or not last[2] or last[1] > band * last[2]:
             return False
-        return self.costs.age((rows, 0, True, sampled)) >= (self.config.cost_max_age or math.inf)
+        return self.costs.age(key) >= (self.config.cost_max_age << min(3, self.costs.measurements(key)) or math.inf)
 
     def _lookup_saved(self, seconds: float) -> None:
         """One plan's :attr:`lookup_saving` (it starts at the first hit: before any, ``min_lookup_hits`` alone

@@ -119,11 +119,13 @@ class ControllerConfig:
 
     shadow_band: float = 1.5
     """Where the target alone (a detached step) could be chosen but was not timed in the bucket's last
-    ``cost_max_age`` real steps (or never: then its cost is warmup's scaled guess), and the kind a plan chose
-    promises less than this many times its tokens per second, the engine times it on the step's rows right after
-    that step, twice, in a *shadow* step that writes nothing (0 = never). Warmup's all-padding steps and the scale
-    the drafting kinds' real steps put on them had put the target alone 50% above its cost: eagle3 at batch 8
-    greedy on the shipped pair read 3.4 ms where it takes 2.2 and drafted at 0.85x plain."""
+    ``cost_max_age`` real steps (twice as many for each measurement behind its cost, up to 8x; never timed: its
+    cost is warmup's scaled guess), and the kind a plan chose promises less than this many times its tokens per
+    second, the engine times it on the step's rows right after that step, twice, in a *shadow* step that writes
+    nothing (0 = never). Warmup's all-padding steps and the scale the drafting kinds' real steps put on them had
+    put the target alone 50% above its cost: eagle3 at batch 8 greedy on the shipped pair read 3.4 ms where it
+    takes 2.2 and drafted at 0.85x plain. Once measured, its relation to the kinds that run is kept (see
+    ``CostModel``), and shadow steps every 64 steps took eagle3 at batch 1, T 0.8 ~1.6% of its run."""
 
     def __post_init__(self) -> None:
         for name in ("prior_strength", "sampled_prior_strength", "max_prior_strength", "prior_drafts", "min_gain",
