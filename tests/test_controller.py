@@ -225,28 +225,23 @@ def test_an_explored_kind_is_priced_by_the_mean_of_its_explorations():
 
 
 def test_a_neighbouring_k_not_measured_in_real_steps_is_tried_once_per_cost_max_age():
-    c = _controller({}, cost_max_age=8)
-    for k in range(K + 1):  # warmup only: K=4 looks best (every draft accepted, costs nearly flat)
-        c.costs.observe((1, k, False, False), 1.0 + 0.01 * k, warmup=True)
-    _teach(c, "a", 1.0)
-    ks = []
-    for _ in range(120):
-        k = _decide(c, 1, ["a"], [False], [K], [True]).k
-        ks.append(k)
-        c.costs.observe((1, k, False, False), 1.0 + 0.01 * k)  # the engine times every step
+    def chosen_ks(rate: float) -> list[int]:
+        c = _controller({}, cost_max_age=8)
+        for k in range(K + 1):  # warmup only: costs nearly flat, K=4 looks best
+            c.costs.observe((1, k, False, False), 1.0 + 0.01 * k, warmup=True)
+        _teach(c, "a", rate)
+        ks = []
+        for _ in range(120):
+            ks.append(_decide(c, 1, ["a"], [False], [K], [True]).k)
+            c.costs.observe((1, ks[-1], False, False), 1.0 + 0.01 * ks[-1])  # the engine times every step
+        return ks
+
+    ks = chosen_ks(1.0)
     assert ks[:12] == [K - 1] + [K] * 8 + [K - 1] + [K] * 2
     # At acceptance 1, K=3's tokens per second are 20% below K=4's, past explore_margin: once RELATION_MIN_STEPS
     # real steps measured it, it is not explored again.
     assert ks.count(K - 1) == RELATION_MIN_STEPS and K - 1 not in ks[-40:] and set(ks) == {K - 1, K}
-    close = _controller({}, cost_max_age=8)  # at acceptance 0.5, K=3 is within 3% of K=4: explored on
-    for k in range(K + 1):
-        close.costs.observe((1, k, False, False), 1.0 + 0.01 * k, warmup=True)
-    _teach(close, "a", 0.5)
-    ks = []
-    for _ in range(120):
-        k = _decide(close, 1, ["a"], [False], [K], [True]).k
-        ks.append(k)
-        close.costs.observe((1, k, False, False), 1.0 + 0.01 * k)
+    ks = chosen_ks(0.5)  # at acceptance 0.5, K=3 is within 3% of K=4: explored on
     assert ks.count(K - 1) == 120 // 9 + 1 and K - 1 in ks[-9:]
     quiet = _controller({}, cost_max_age=0)  # 0: no expiry, no exploration
     for k in range(K + 1):
