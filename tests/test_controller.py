@@ -727,6 +727,8 @@ def test_config_errors_name_the_field():
         ControllerConfig(cost_window=0)
     with pytest.raises(ValueError, match="min_speedup"):
         ControllerConfig(min_speedup=float("nan"))
+    with pytest.raises(ValueError, match="explore_margin"):
+        ControllerConfig(explore_margin=-0.1)
     with pytest.raises(ValueError, match="learn_requests"):
         ControllerConfig(learn_requests=0)
     with pytest.raises(ValueError, match="detach_z"):

@@ -53,7 +53,7 @@ class SpeculationController:
         self.k_max = k_max
         self.config = config
         self.can_detach = can_detach
-        self.costs = CostModel(config.cost_window, config.cost_max_age)
+        self.costs = CostModel(config.cost_window)
         self.method_stats = {False: AcceptanceStats(k_max), True: AcceptanceStats(k_max)}  # sampled -> stats
         self._primed = {False: False, True: False}  # sampled -> the method's stats start from a measured prior
         for smp in (False, True):

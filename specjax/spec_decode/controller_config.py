@@ -43,12 +43,14 @@ class ControllerConfig:
     min_gain: float = 0.02
     """A row drafts position j only while it adds at least this many expected tokens."""
     cost_window: int = 32
-    """A step kind's cost is the median of its last this-many measurements (with 8, ngram at batch 1 read K = 4
-    1.26x dearer than K = 3 on steps within ~5% of each other, and drafted K = 3 in a third of drafting steps)."""
+    """A step kind's relation to its batch size's level is the mean of its first this-many real measurements; past
+    them only a step right after another kind moves it (see ``CostModel``). Also how many warmup, planning and
+    between-step times are kept. (A median of the last 8 steps, before the level, read ngram at batch 1 K = 4
+    1.26x dearer than K = 3 on steps within ~5% of each other, and drafted K = 3 in a third of drafting steps.)"""
     cost_max_age: int = 64
-    """Real measurements of a step kind not chosen in this many real steps of its bucket are forgotten (0 =
-    never): the kind falls back to its warmup time scaled like the others, so a kind measured once in a slow
-    moment and never chosen since gets tried again (at most one step in this many)."""
+    """A neighbouring drafting K not measured in this many real steps of its bucket is explored (0 = never; see
+    ``explore_margin``), and the target alone re-timed in a shadow step (see ``shadow_band``): a kind measured
+    in a slow moment, or whose relation to the others moved, is measured again."""
     explore_margin: float = 0.1
     """A neighbouring K measured in ``RELATION_MIN_STEPS`` real steps is explored again (``cost_max_age``) only
     while its expected tokens per second are within this share of the chosen K's. Where the rows' caps shrink (a

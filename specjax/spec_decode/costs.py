@@ -87,7 +87,7 @@ class CostModel:
     its cost is what a step costs in one. Cold steps count only for a kind never measured in a run (a kind the
     controller only ever visits for one step is compared at what one step costs), and its first step in a run
     replaces them; the controller explores a neighbouring K for two steps in a row (see
-    ``SpeculationController._explore``), once per ``max_age`` real steps of the bucket without it (:meth:`age`).
+    ``SpeculationController._explore``), once per ``cost_max_age`` real steps of the bucket without it (:meth:`age`).
 
     A step's measurement leaves out the controller's planning before it, which is paid whichever kind the plan
     picks (ngram at batch 1 on the shipped target read plain steps, mostly chosen by full plans, as dear as K =
@@ -102,9 +102,8 @@ class CostModel:
     with drafting at K = 2 estimated 1.09x the target alone's tokens per second, short of the 1.1x margin (1.12x
     with it), where fixed K = 2 ran 1.2x plain."""
 
-    def __init__(self, window: int, max_age: int = 0):
+    def __init__(self, window: int):
         self.window = window
-        self.max_age = max_age
         self.frozen = False
         """Ignore new measurements (tests pin a table with :meth:`set`)."""
         self._warm: dict[tuple, collections.deque] = {}  # kind -> its warmup times
