@@ -33,6 +33,11 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _clip(x: float, bound: float) -> float:
+    """``x`` clipped to [-bound, bound]."""
+    return min(bound, max(-bound, x))
+
+
 def _entry(table: dict, key, new):
     """``table[key]``, made by ``new()`` if missing. (``setdefault(key, new())`` builds the default every call,
     and these run after every step: recording a held step's planning time so took 35 us, median, ngram at batch
@@ -162,12 +167,12 @@ class CostModel:
         if level is None:  # the bucket's first real step: it sets the level, the kind keeps its prior relation
             level = self._level[rows] = y - self._prior(key)
         if count == 0:
-            self._offset[key] = y - level
+            self._offset[key] = y - level  # (its prior's bucket median below counts this measurement too)
             if key in self._warm:  # (within FIRST_CLIP of its prior: one slow first step must not price it out)
                 prior = self._prior(key)
-                self._offset[key] = prior + min(FIRST_CLIP, max(-FIRST_CLIP, y - level - prior))
+                self._offset[key] = prior + _clip(y - level - prior, FIRST_CLIP)
         else:
-            residual = min(RESIDUAL_CLIP, max(-RESIDUAL_CLIP, y - level - self._offset[key]))
+            residual = _clip(y - level - self._offset[key], RESIDUAL_CLIP)
             if count < self.window:
                 self._offset[key] += residual / (count + 1)
             elif self._last.get(rows) != key:  # (a long run of one kind says nothing of relations)
