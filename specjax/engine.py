@@ -72,6 +72,7 @@ class Engine:
         self._ahead = 1  # drafts a chained proposer makes for the next step (Decision.ahead, see draft_ahead)
         self._last_kind: tuple | None = None  # (bucket, detached) of the last step (cold steps: CostModel)
         self._last_done: float | None = None  # perf_counter when the last step's measured part ended (CostModel)
+        self._unaccounted: tuple | None = None  # the last decoding step's timings, for the cost model (_account)
 
     # ------------------------------------------------------------------ buckets
 
@@ -323,7 +324,8 @@ class Engine:
         else:
             self._held = 0
             k, num_drafts, host_drafts, detached = 0, np.zeros(n, np.int32), None, self._prefill_detached(rows)
-        # The controller's step costs leave out the planning above, timed apart (see CostModel).
+        # The controller's step costs leave out the planning above, timed apart (see CostModel), and include the
+        # last step's accounting (_account), which overlaps the device's step.
         run_start = time.perf_counter()
         cfg = self.config
         bucket = (bucket_for(n, cfg.row_buckets, "num_seqs"),
@@ -342,7 +344,9 @@ class Engine:
         else:
             batch.attached[:n] = True
             batch.draft_ahead[:n] = ahead
-        packed = self.runner.run(batch)[:n]  # the step's one host fetch
+        pending = self.runner.launch(batch)
+        self._account()  # the last step's costs, while the device runs this one (see _account)
+        packed = self.runner.fetch(pending)[:n]  # the step's one host fetch
         finished = self._commit(rows, packed, num_drafts, k, ahead)
         done = time.perf_counter()
         elapsed = done - start_time
@@ -350,29 +354,48 @@ class Engine:
         last_done, self._last_done = self._last_done, done
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
-            if last_done is not None:
-                self.controller.costs.observe_overhead((bucket[0], sampled), plan_start - last_done)
-            # A chained proposer's step costs its K's verify and its drafts ahead; the kind K is what a run of K
-            # costs, drafting K ahead (as warmup times it). A step growing or shrinking the drafts ahead costs
-            # another K's drafts: it would pollute this K's cost (eagle3 at batch 1, T 0.8: K = 1 steps drafting
-            # 3 ahead, before a K = 3 run, put K = 1 at 1.9 ms where a run of K = 1 costs ~1.3).
-            if detached or not self.proposer.chained_drafts or ahead == max(k, 1):
-                self.controller.costs.observe((bucket[0], k, detached, sampled), done - run_start,
-                                              switched=switched)
-            if not detached:
-                self.controller.costs.observe_planning((bucket[0], sampled), run_start - plan_start,
-                                                       full=self._planned)
-                if not finished and self.controller.shadow_due(bucket[0], sampled):
-                    self._shadow_step(rows, slots, bucket[0], sampled)
+            self._unaccounted = ((bucket[0], sampled), k, detached, ahead, switched, self._planned,
+                                 None if last_done is None else plan_start - last_done, run_start - plan_start,
+                                 done - run_start)
+            if not detached and not finished and self.controller.shadow_due(bucket[0], sampled):
+                self._shadow_step(rows, slots, bucket[0], sampled)
+        if not self.scheduler.has_unfinished:
+            self._account()  # (no next step to hide it behind)
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         return finished
+
+    def _account(self) -> None:
+        """Hand the last decoding step's timings to the controller's cost model.
+
+        Runs while the device computes the next step (or before a shadow step, or when the batch is done): host
+        work before a step's launch cost ~2.5x its own time there and ~0.2x after it (shipped target alone,
+        batch 1, a 35 us busy loop: +90 us a step before the launch, +6 us between launch and fetch; XLA's
+        threads idle longer before a launch). The costs a plan reads therefore lag one step."""
+        if self._unaccounted is None:
+            return
+        bucket, k, detached, ahead, switched, planned, overhead, planning, seconds = self._unaccounted
+        self._unaccounted, costs = None, self.controller.costs
+        (rows, sampled) = bucket
+        if overhead is not None:
+            costs.observe_overhead(bucket, overhead)
+        # A chained proposer's step costs its K's verify and its drafts ahead; the kind K is what a run of K
+        # costs, drafting K ahead (as warmup times it). A step growing or shrinking the drafts ahead costs
+        # another K's drafts: it would pollute this K's cost (eagle3 at batch 1, T 0.8: K = 1 steps drafting
+        # 3 ahead, before a K = 3 run, put K = 1 at 1.9 ms where a run of K = 1 costs ~1.3).
+        if detached or not self.proposer.chained_drafts or ahead == max(k, 1):
+            costs.observe((rows, k, detached, sampled), seconds, switched=switched)
+        if not detached:
+            costs.observe_planning(bucket, planning, full=planned)
+        if not self._held:  # the next step plans: its costs are worked out here, off its path
+            costs.refresh(rows, sampled)
 
     def _shadow_step(self, rows, slots: np.ndarray, num_rows: int, sampled: bool) -> None:
         """Time the target alone on ``rows`` (just decoded; ``num_rows`` their row bucket) for the controller,
         twice (the first runs cold, see ``CostModel``), in steps that write nothing: each row re-reads its context
         up to its last computed token, with no KV slot and no persistent slot (as padding rows have), and the
         output is dropped (``ControllerConfig.shadow_band``). It leaves out the commit a real step does."""
+        self._account()  # (the cost model sees steps in the order they ran)
         n = len(rows)
         starts = np.asarray([r.request.num_computed_tokens - 1 for r in rows], np.int64)
         outputs = np.asarray([len(r.request.output_token_ids) for r in rows], np.int64)

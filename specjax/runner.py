@@ -178,6 +178,12 @@ class StepRunner:
         A step without drafts and without ``batch.attached`` rows is *detached*: the target alone, the
         proposer's state untouched.
         """
+        return self.fetch(self.launch(batch))
+
+    def launch(self, batch: StepBatch):
+        """Start :meth:`run`'s step and return at once (JAX dispatches asynchronously): host work done before
+        :meth:`fetch` overlaps the step. ``batch`` must stay untouched until then (the call may read its arrays
+        in place)."""
         compiles = self.num_compiles
         packed = self.packed(batch)
         bucket = _bucket_of(batch)
@@ -191,9 +197,13 @@ class StepRunner:
         else:
             exe = self.executables.get(bucket)
             out, *self._state_leaves = exe(*self._param_leaves, *self._state_leaves, *jax.tree.leaves(packed))
-        out = np.asarray(out)  # the step's one fetch (a no-op after _run_phases)
         self.compiled_last_run = self.num_compiles != compiles
         return out
+
+    @staticmethod
+    def fetch(out) -> np.ndarray:
+        """Wait for a :meth:`launch`'s step: its one host fetch (a no-op after ``_run_phases``)."""
+        return np.asarray(out)
 
     def _run_phases(self, batch: PackedBatch) -> np.ndarray:
         phase, params, timer = self._phases, self.params, time.perf_counter

@@ -195,7 +195,7 @@ def test_error_mid_generate_aborts_cleanly(llm, monkeypatch):
     params = specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = _prompts(14, [5, 9])
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    real_run = llm.runner.run
+    real_run = llm.runner.launch
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -204,10 +204,10 @@ def test_error_mid_generate_aborts_cleanly(llm, monkeypatch):
             raise RuntimeError("device lost")
         return real_run(*args, **kwargs)
 
-    monkeypatch.setattr(llm.runner, "run", flaky)
+    monkeypatch.setattr(llm.runner, "launch", flaky)
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(prompts, params)
-    monkeypatch.setattr(llm.runner, "run", real_run)
+    monkeypatch.setattr(llm.runner, "launch", real_run)
     assert not llm.engine.has_unfinished
     assert llm.engine.scheduler.blocks.num_free == llm.engine_config.total_kv_blocks
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before

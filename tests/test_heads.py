@@ -163,14 +163,14 @@ def test_under_the_controller_a_head_drafts_ahead_only_what_the_next_step_verifi
         c.observe("earlier", sampled, 3, 3)  # (a method that drafts well)
     c.costs.frozen = True
     steps = []  # (K, drafts made ahead) of each attached decoding step
-    real_run = llm.runner.run
+    real_launch = llm.runner.launch
 
-    def run(batch):
+    def launch(batch):
         if batch.tokens.shape[1] == 1 and batch.attached.any():
             steps.append((batch.host_drafts.shape[1], int(batch.draft_ahead.max())))
-        return real_run(batch)
+        return real_launch(batch)
 
-    llm.runner.run = run
+    llm.runner.launch = launch
     prompts = _prompts(6, [7, 12])
     params = specjax.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     assert _ids(llm.generate(prompts, params)) == _ids(plain.generate(prompts, params))
@@ -201,16 +201,25 @@ def test_a_chained_proposers_step_costs_count_only_steps_drafting_their_own_k_ah
     c.observe("earlier", False, 3, 3)  # (a method that drafts well)
     c.costs.frozen = True
     events = []  # ("run", K, drafts ahead) of each attached decoding step; ("cost", kind) of each measurement
-    real_run, real_observe = llm.runner.run, c.costs.observe
+    real_launch, real_fetch, real_observe = llm.runner.launch, llm.runner.fetch, c.costs.observe
+    launched = []  # the event of the step launched last, or None (recorded at its fetch: a step's measurement
+    # is handed to the cost model while the next one runs, between that one's launch and fetch)
 
-    def run(batch):
+    def launch(batch):
+        launched.append(None)
         if batch.tokens.shape[1] == 1 and batch.attached.any():
-            events.append(("run", batch.host_drafts.shape[1], int(batch.draft_ahead.max())))
-            if sum(e[0] == "run" for e in events) == 6:
+            launched[-1] = ("run", batch.host_drafts.shape[1], int(batch.draft_ahead.max()))
+            if sum(e[0] == "run" for e in events) == 5:  # (this is the sixth)
                 price(1)  # K = 3 now pays: the next plan verifies the one draft ready and makes three ahead
-        return real_run(batch)
+        return real_launch(batch)
 
-    llm.runner.run = run
+    def fetch(out):
+        event = launched.pop()
+        if event is not None:
+            events.append(event)
+        return real_fetch(out)
+
+    llm.runner.launch, llm.runner.fetch = launch, fetch
     c.costs.observe = lambda key, *a, **kw: (events.append(("cost", key)), real_observe(key, *a, **kw))
     prompts = _prompts(6, [7, 12])
     params = specjax.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

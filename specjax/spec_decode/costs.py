@@ -248,6 +248,12 @@ class CostModel:
             low = min(low, self._seconds[kk])
             self._capped[kk] = low
 
+    def refresh(self, rows: int, sampled: bool = False) -> None:
+        """Recompute the bucket's costs and its overhead median now if measured since (else the next read does):
+        the engine calls it while the device computes a step, before a plan will read them."""
+        self._flush((rows, sampled))
+        self.overhead(rows, sampled)
+
     def get(self, key: tuple) -> float | None:
         return self.seconds.get(key)
 
