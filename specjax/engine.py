@@ -369,9 +369,10 @@ class Engine:
         """Hand the last decoding step's timings to the controller's cost model.
 
         Runs while the device computes the next step (or before a shadow step, or when the batch is done): host
-        work before a step's launch cost ~2.5x its own time there and ~0.2x after it (shipped target alone,
-        batch 1, a 35 us busy loop: +90 us a step before the launch, +6 us between launch and fetch; XLA's
-        threads idle longer before a launch). The costs a plan reads therefore lag one step."""
+        work before a step's launch cost 2.5-4x its own time there and ~0.2x after it (shipped target alone,
+        batch 1, a 35 us busy loop: +90-145 us a step before the launch, +6 us between launch and fetch; in part
+        because on the 2-vCPU VM measured, threads idle for 0.2-1 ms wake 16-105 us late). The costs a plan
+        reads therefore lag one step."""
         if self._unaccounted is None:
             return
         bucket, k, detached, ahead, switched, planned, overhead, planning, seconds = self._unaccounted
