@@ -281,11 +281,11 @@ class SpeculationController:
                 # planning costs more than max_planning_share of a plain step.)
                 limit = 0
                 if self.lookup_hit_rate < cfg.min_lookup_hits or (not one_lookup and self._lookups_dear(rows, plan)):
-                    limit = cfg.replan_every << (min(self._held_plans, 3) if self._planning_dear(rows, plan.sampled)
-                                                 else 0)
-                    limit -= 1
-                if not limit and one_lookup:
-                    held, limit = self._hit_plan(plan, k_found), cfg.draft_replan_every - 1
+                    dear = self._planning_dear(rows, plan.sampled)
+                    limit = (cfg.replan_every << (min(self._held_plans, 3) if dear else 0)) - 1
+                if not limit and one_lookup:  # held as a hit's plan is (the same decision), doubling alike
+                    held = self._hit_plan(plan, k_found)
+                    limit = self._draft_hold(plan.request_ids, *held)
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
             hold = max(0, min(limit, plan.until_probe - 1))
         if not hold or k or held:
@@ -299,8 +299,9 @@ class SpeculationController:
                 held = self._hit_plan(plan, k_found)
             hold = max(0, min(self._draft_hold(plan.request_ids, *(held or (k, caps))), plan.until_probe - 1))
         else:
-            self._draft_held, self._draft_holds = None, 0
-            if explored and found is None and not probes and not self._detach_votes and ahead >= k:
+            if held is None:  # (a lookup's miss, held as a hit's plan, keeps the hits' doubling)
+                self._draft_held, self._draft_holds = None, 0
+            if explored and (found is None or one_lookup) and not probes and not self._detach_votes and ahead >= k:
                 # (Also where the next neighbour gets its drafts made first, ahead > k: else a chained head's K = 3
                 # was only ever timed in single cold steps, 2.3-3.0 ms against 1.9 in a run, and never chosen.)
                 hold = max(0, min(1, plan.until_probe - 1))  # its first step ran cold, its second is timed

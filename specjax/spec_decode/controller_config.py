@@ -100,8 +100,9 @@ class ControllerConfig:
     its cap, unless it probes, explores a neighbouring K, learns the method's acceptance, detaching is being voted
     on, or the drafts of several rows come from a host lookup (whether verifying what a lookup finds pays changes
     every step: ngram at batch 8 held such plans at 0.89x plain; one row's held step verifies what its lookup
-    finds, up to the cap, or runs plain): planning is host work (5-13% of a drafting step on the shipped target
-    with numpy arithmetic), and a row's estimate moves little in a few steps."""
+    finds, up to the cap, or runs plain, and a plan whose lookup found fewer drafts or none holds the same
+    decision, doubling alike): planning is host work (5-13% of a drafting step on the shipped target with numpy
+    arithmetic), and a row's estimate moves little in a few steps."""
     explore_every: int = 16
     """Of the new requests whose prefill the controller would run detached, one per this many batches' worth
     (x 32 at batch 32) is prefilled attached and probes one draft in its first decoding step (0 = never): else
