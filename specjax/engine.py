@@ -377,7 +377,7 @@ class Engine:
             return
         bucket, k, detached, ahead, switched, planned, overhead, planning, seconds = self._unaccounted
         self._unaccounted, costs = None, self.controller.costs
-        (rows, sampled) = bucket
+        rows, sampled = bucket
         if overhead is not None:
             costs.observe_overhead(bucket, overhead)
         # A chained proposer's step costs its K's verify and its drafts ahead; the kind K is what a run of K

@@ -283,7 +283,7 @@ class SpeculationController:
                 if self.lookup_hit_rate < cfg.min_lookup_hits or (not one_lookup and self._lookups_dear(rows, plan)):
                     dear = self._planning_dear(rows, plan.sampled)
                     limit = (cfg.replan_every << (min(self._held_plans, 3) if dear else 0)) - 1
-                if not limit and one_lookup:  # held as a hit's plan is (the same decision), doubling alike
+                if not limit and one_lookup:  # held as a hit's plan (the same decision), doubling alike
                     held = self._hit_plan(plan, k_found)
                     limit = self._draft_hold(plan.request_ids, *held)
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
