@@ -408,7 +408,7 @@ class SpeculationController:
         of its neighbours the chosen K could never be found wrong (a neighbour costs about what ``k`` costs, and its
         drafts are verified as exactly). Once measured in ``RELATION_MIN_STEPS`` real steps, only while its expected
         tokens per second (``plan``'s rows drafting up to ``cap_row``, ``gains`` [K_max + 1]) are within
-        ``explore_margin`` of ``k``'s. Where the engine holds plans without host lookups, the neighbour runs two
+        ``explore_margin`` of ``k``'s. Unless several rows' drafts come from a host lookup, the neighbour runs two
         steps (:attr:`Decision.hold`): the first runs cold, the second is what the kind costs in a run."""
         max_age, sampled = self.config.cost_max_age, plan.sampled
         if max_age:
