@@ -27,8 +27,9 @@ held-out prompts of ``specjax.train.selfgen`` (chat, prose, code; topics the hea
         --methods ngram suffix smollm2_eagle3 --batches 1 8 --static-ks 1 2 --prompt-len 96 --batch1-prompts 2 \
         --reps 3 --batch1-reps 3 --out benchmarks/results/smollm2_spec.json
 
-``--draft-quantization q8_0`` runs the methods with a draft model or head with their weights in Q8_0 blocks
-(``speculative_config.quantization``; benchmarks/README.md, "Draft quantization").
+``--draft-quantization`` sets ``speculative_config.quantization`` for the methods with a draft model or head:
+``auto`` (the default, as ``LLM``: the built-in drafts in Q8_0 blocks on the CPU kernels' layout), ``q8_0``, or
+``none`` (the weights as stored; benchmarks/README.md, "Draft quantization").
 
 ``--head NAME=METHOD:MODEL`` adds a method with another draft model or head, e.g. the full-vocabulary EAGLE-3
 head shipped before 2026-12-05 (``git show 9d8efb2:specjax/builtin/eagle3/model.safetensors``, and its
@@ -150,9 +151,9 @@ def main() -> None:
                     help="rounds of a batch-1 load (a round takes seconds; its ratios spread the most)")
     ap.add_argument("--int8-activations", action="store_true",
                     help="every LLM with int8_activations=True (a GGUF model's blocks; README, 'What runs where')")
-    ap.add_argument("--draft-quantization", choices=["q8_0"], default=None,
-                    help="speculative_config.quantization for every method with a draft model or head (README, "
-                         "'Speculative config')")
+    ap.add_argument("--draft-quantization", choices=["auto", "q8_0", "none"], default="auto",
+                    help="speculative_config.quantization for every method with a draft model or head, 'none' for "
+                         "None: the weights as stored (README, 'Speculative config')")
     ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                     help="also time a second plain LLM, reported as 'control' (the noise floor of the ratios)")
     args = ap.parse_args()
@@ -176,8 +177,8 @@ def main() -> None:
         # LLM built at the start, 0.99-1.01x in a process of its own), so plain and control bracket the others.
         t0 = time.perf_counter()
         base = dict(METHODS[method])
-        if args.draft_quantization and "model" in base:
-            base["quantization"] = args.draft_quantization
+        if "model" in base:
+            base["quantization"] = None if args.draft_quantization == "none" else args.draft_quantization
         plain = build(args, None)
         systems = {"adaptive": build(args, {**base, "num_speculative_tokens": args.k_max, "adaptive": True})}
         for k in args.static_ks:

@@ -6,6 +6,7 @@ construction, so a bad value fails where it is written, naming the field.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -128,6 +129,9 @@ SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "
 REJECTION_METHODS = ("standard", "synthetic", "block")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 DRAFT_QUANTIZATIONS = ("q8_0",)
+AUTO_QUANTIZED_DRAFTS = ("builtin:draft", "builtin:eagle3", "builtin:smollm2_eagle3")
+"""The built-in drafts ``quantization="auto"`` runs in Q8_0 blocks where it can (each measured faster so at batch 1:
+benchmarks/README.md, "Draft quantization")."""
 QUANTIZABLE_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 """The methods whose draft weights ``SpeculativeConfig.quantization`` can quantize (Medusa's blocks keep XLA's dots)."""
 
@@ -178,12 +182,13 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     use_heterogeneous_vocab: bool = False
     """draft_model only: the draft has its own tokenizer; drafts come from the shared tokens (greedy)."""
-    quantization: str | None = None
+    quantization: str | None = "auto"
     """"q8_0": the draft model's or head's projection weights are quantized at load to GGUF Q8_0 blocks (8.5 bits
     per weight) and multiplied with int8 activations, as llama.cpp does (``draft_model``, ``eagle``, ``eagle3``,
     ``mtp``; one CPU device, where the CPU kernels' layout runs; a GGUF draft's blocks are quantized again from
     their float values). Its drafts change slightly; output stays exact, as the target verifies every draft. None:
-    the weights as stored."""
+    the weights as stored. "auto" (the default): "q8_0" for the built-in drafts in :data:`AUTO_QUANTIZED_DRAFTS`
+    where the CPU kernels' layout runs, else None (``LLM`` resolves it)."""
 
     @classmethod
     def from_dict(cls, d: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -301,9 +306,9 @@ class SpeculativeConfig:
                 "use_heterogeneous_vocab=True drafts greedily only: draft_sample_method must be 'greedy' or None, "
                 f"got {self.draft_sample_method!r}"
             )
-        if self.quantization is not None:
+        if self.quantization not in (None, "auto"):
             if self.quantization not in DRAFT_QUANTIZATIONS:
-                raise ValueError(f"quantization must be one of {list(DRAFT_QUANTIZATIONS)} or None, got "
+                raise ValueError(f"quantization must be one of {['auto', *DRAFT_QUANTIZATIONS]} or None, got "
                                  f"{self.quantization!r}")
             if method not in QUANTIZABLE_METHODS:
                 raise ValueError(f"quantization={self.quantization!r} quantizes a draft model's or head's weights "
@@ -316,6 +321,16 @@ class SpeculativeConfig:
             )
         set_("adaptive", self.num_speculative_tokens_per_batch_size is None if self.adaptive is None
              else self.adaptive)
+
+    def with_quantization(self, quantization: str | None) -> "SpeculativeConfig":
+        """A copy with ``quantization`` resolved (``LLM`` resolves "auto" for its devices), the other fields as
+        validated: not constructed again, as derived fields (synthetic rates from a length) would then clash."""
+        if quantization is not None and (quantization not in DRAFT_QUANTIZATIONS or self.method not in
+                                         QUANTIZABLE_METHODS):
+            raise ValueError(f"quantization={quantization!r} cannot apply to method={self.method!r}")
+        resolved = copy.copy(self)
+        object.__setattr__(resolved, "quantization", quantization)
+        return resolved
 
     def k_for_batch_size(self, batch_size: int) -> int:
         """K for a step of ``batch_size`` running rows (the dynamic-K schedule; K outside all ranges)."""

@@ -20,7 +20,7 @@ from specjax.engine import Engine
 from specjax.runner import StepRunner
 from specjax.outputs import RequestOutput, StopStrings, banned_token_ids, completion, prompt_logprobs
 from specjax.outputs import CompletionOutput  # noqa: F401  (re-exported)
-from specjax.parallel.sharding import ShardingPlan, check_draft_quantization, check_int8_activations, make_mesh
+from specjax.parallel.sharding import ShardingPlan, check_int8_activations, resolve_draft_quantization, make_mesh
 from specjax.prompts import as_prompt_list, parse_prompt
 from specjax.scheduler import Request
 from specjax.spec_decode.proposer import BuildContext, Proposer
@@ -112,7 +112,7 @@ class LLM:
         if int8_activations:  # before loading weights, as above
             check_int8_activations(self.mesh, quantized)
         if spec is not None:
-            check_draft_quantization(self.mesh, spec.quantization)
+            spec = resolve_draft_quantization(self.mesh, spec)
         self.model_config, params = load_model(self.model_path, dtype=dtype)
         max_pos = self.model_config.max_position_embeddings
         if max_pos and max_model_len > max_pos:

@@ -150,6 +150,39 @@ def test_quantization_is_refused_off_the_cpu_layout_before_any_weights_load(monk
                                                               "quantization": "q8_0"}, **KW)
 
 
+def test_auto_resolves_to_q8_0_only_for_the_built_in_drafts_on_the_cpu_layout(monkeypatch):
+    from specjax.config import SpeculativeConfig
+
+    mesh = sharding.make_mesh()
+    resolve = lambda **spec: sharding.resolve_draft_quantization(  # noqa: E731
+        mesh, SpeculativeConfig.from_dict({"num_speculative_tokens": 2, **spec})).quantization
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}).quantization == "auto"
+    monkeypatch.setattr(sharding, "use_cpu_weight_layout", lambda devices: True)
+    for model in ("builtin:draft", "builtin:eagle3", "builtin:smollm2_eagle3"):
+        method = "draft_model" if model == "builtin:draft" else "eagle3"
+        assert resolve(method=method, model=model) == "q8_0"
+        assert resolve(method=method, model=model, quantization=None) is None  # None: the weights as stored
+    # Derived fields stay as validated (rates from a length: constructing the config again would refuse both).
+    assert resolve(method="draft_model", model="builtin:draft", rejection_sample_method="synthetic",
+                   synthetic_acceptance_length=2.0) == "q8_0"
+    assert resolve(method="draft_model", model="/some/draft") is None  # a user's draft runs as given
+    assert resolve(method="medusa", model="builtin:medusa") is None
+    assert resolve(method="ngram") is None
+    monkeypatch.setattr(sharding, "use_cpu_weight_layout", lambda devices: False)
+    assert resolve(method="draft_model", model="builtin:draft") is None  # no error: off the layout it is None
+
+
+@needs_kernels
+def test_the_shipped_draft_runs_in_q8_0_blocks_unless_quantization_is_none():
+    spec = {"method": "draft_model", "model": "builtin:draft", "num_speculative_tokens": 2}
+    auto = specjax.LLM("builtin:target", speculative_config=spec, **KW)
+    assert auto.speculative_config.quantization == "q8_0"
+    assert all(p.dtype == np.int32 for p in _proposer_panels(auto))
+    stored = specjax.LLM("builtin:target", speculative_config={**spec, "quantization": None}, **KW)
+    assert stored.speculative_config.quantization is None
+    assert not any(p.dtype == np.int32 for p in _proposer_panels(stored))
+
+
 @needs_kernels
 def test_quantization_names_the_field_for_a_width_q8_0_cannot_split(tmp_path):
     target = make_tiny_checkpoint(tmp_path / "t", vocab_size=64, seed=5)

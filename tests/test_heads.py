@@ -335,8 +335,10 @@ def test_shipped_head_is_lossless_and_beats_an_untrained_one(method, shipped_pla
     prompts, expected = shipped_plain
     params = SHIPPED_PARAMS
     # Fixed K: acceptance lengths are comparable only at one K (the controller's K follows measured timings).
+    # The weights as stored (not "auto"'s Q8_0 blocks): the untrained head below replaces them in that layout.
     llm = specjax.LLM("builtin:target", speculative_config={"method": method, "model": f"builtin:{method}",
-                                                            "num_speculative_tokens": 3, "adaptive": False},
+                                                            "num_speculative_tokens": 3, "adaptive": False,
+                                                            "quantization": None},
                       **SHIPPED_KW)
     assert _ids(llm.generate(prompts, params)) == expected
     trained = llm.get_metrics()["mean_acceptance_length"]

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from models.cpu_layout import has_int8_activations, is_cpu_layout, to_cpu_layout
 from models.llama import LlamaConfig
 from specjax.backends import use_cpu_weight_layout
+from specjax.config import AUTO_QUANTIZED_DRAFTS, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +143,19 @@ def check_int8_activations(mesh: Mesh, quantized: Any) -> None:
                          "this model has none")
 
 
-def check_draft_quantization(mesh: Mesh, quantization: str | None) -> None:
-    """ValueError naming ``speculative_config.quantization`` unless it is None or can apply: the CPU kernels' weight
-    layout on this mesh (the quantized panels are theirs)."""
+def resolve_draft_quantization(mesh: Mesh, spec: SpeculativeConfig) -> SpeculativeConfig:
+    """``spec`` with ``quantization="auto"`` resolved: "q8_0" for a built-in draft in ``AUTO_QUANTIZED_DRAFTS`` where
+    the CPU kernels' weight layout runs on this mesh (the quantized panels are theirs), else None. A quantization
+    given outright that cannot apply there is refused (ValueError naming ``speculative_config.quantization``)."""
+    quantization = spec.quantization
+    if quantization == "auto":
+        auto = str(spec.model) in AUTO_QUANTIZED_DRAFTS and use_cpu_weight_layout(mesh.devices.flat)
+        return spec.with_quantization("q8_0" if auto else None)
     if quantization is not None and not use_cpu_weight_layout(mesh.devices.flat):
         raise ValueError(f"speculative_config.quantization={quantization!r} needs the CPU kernels' weight layout "
                          "(one CPU device with the kernels built; specjax.backends.use_cpu_weight_layout), which "
                          "this mesh does not run")
+    return spec
 
 
 def quantized_draft(fn, *args, **kwargs):
