@@ -268,16 +268,25 @@ def speedup_vs_both(systems: dict, name: str) -> float:
     return statistics.median(b / t for b, t in zip(both, systems[name]["times"]))
 
 
+def with_quartiles(systems: dict, name: str) -> str:
+    """System ``name``'s speed-up over plain (the median of its per-round ratios) and, in brackets, those ratios'
+    interquartile range: how far one load's median can move from run to run on a noisy machine."""
+    ratios = [p / t for p, t in zip(systems["plain"]["times"], systems[name]["times"])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return f"{systems[name]['speedup']:.2f}x ({q1:.2f}-{q3:.2f})"
+
+
 def tables(d: dict) -> str:
-    lines = ["| method | batch | T | plain tok/s | control | adaptive | adaptive vs plain & control | best static K | "
-             "adaptive / best static | adaptive spec-step share | adaptive detached-step share |",
+    lines = ["| method | batch | T | plain tok/s | control (IQR of rounds) | adaptive (IQR of rounds) | "
+             "adaptive vs plain & control | best static K | adaptive / best static | adaptive spec-step share | "
+             "adaptive detached-step share |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["results"]:
         s = r["systems"]
-        control = f"{s['control']['speedup']:.2f}x" if "control" in s else "-"
+        control = with_quartiles(s, "control") if "control" in s else "-"
         both = f"{speedup_vs_both(s, 'adaptive'):.2f}x" if "control" in s else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {s['plain']['tok_s']:.0f} | {control} | "
-                     f"{s['adaptive']['speedup']:.2f}x | {both} | "
+                     f"{with_quartiles(s, 'adaptive')} | {both} | "
                      f"{r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
                      f"{r['adaptive_vs_best_static']:.2f} | {s['adaptive']['spec_step_share']:.2f} | "
                      f"{s['adaptive'].get('detached_step_share', float('nan')):.2f} |")
