@@ -20,7 +20,7 @@ from specjax.engine import Engine
 from specjax.runner import StepRunner
 from specjax.outputs import RequestOutput, StopStrings, banned_token_ids, completion, prompt_logprobs
 from specjax.outputs import CompletionOutput  # noqa: F401  (re-exported)
-from specjax.parallel.sharding import ShardingPlan, check_int8_activations, resolve_draft_quantization, make_mesh
+from specjax.parallel.sharding import ShardingPlan, check_int8_activations, make_mesh, resolve_draft_quantization
 from specjax.prompts import as_prompt_list, parse_prompt
 from specjax.scheduler import Request
 from specjax.spec_decode.proposer import BuildContext, Proposer

@@ -167,6 +167,7 @@ def test_auto_resolves_to_q8_0_only_for_the_built_in_drafts_on_the_cpu_layout(mo
                    synthetic_acceptance_length=2.0) == "q8_0"
     assert resolve(method="draft_model", model="/some/draft") is None  # a user's draft runs as given
     assert resolve(method="medusa", model="builtin:medusa") is None
+    assert resolve(method="medusa", model="builtin:eagle3") is None  # (a mismatch the head's loader refuses)
     assert resolve(method="ngram") is None
     monkeypatch.setattr(sharding, "use_cpu_weight_layout", lambda devices: False)
     assert resolve(method="draft_model", model="builtin:draft") is None  # no error: off the layout it is None

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from models.cpu_layout import has_int8_activations, is_cpu_layout, to_cpu_layout
 from models.llama import LlamaConfig
 from specjax.backends import use_cpu_weight_layout
-from specjax.config import AUTO_QUANTIZED_DRAFTS, SpeculativeConfig
+from specjax.config import AUTO_QUANTIZED_DRAFTS, QUANTIZABLE_METHODS, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,8 @@ def resolve_draft_quantization(mesh: Mesh, spec: SpeculativeConfig) -> Speculati
     given outright that cannot apply there is refused (ValueError naming ``speculative_config.quantization``)."""
     quantization = spec.quantization
     if quantization == "auto":
-        auto = str(spec.model) in AUTO_QUANTIZED_DRAFTS and use_cpu_weight_layout(mesh.devices.flat)
+        auto = (str(spec.model) in AUTO_QUANTIZED_DRAFTS and spec.method in QUANTIZABLE_METHODS
+                and use_cpu_weight_layout(mesh.devices.flat))
         return spec.with_quantization("q8_0" if auto else None)
     if quantization is not None and not use_cpu_weight_layout(mesh.devices.flat):
         raise ValueError(f"speculative_config.quantization={quantization!r} needs the CPU kernels' weight layout "
