@@ -51,7 +51,8 @@ def main() -> None:
     for item in args.methods:
         method, _, k = item.partition("=")
         spec = {**METHODS[method], "num_speculative_tokens": int(k), "adaptive": False}
-        llms = {"plain": specjax.LLM(args.model, **kw), "float": specjax.LLM(args.model, speculative_config={**spec, "quantization": None}, **kw),
+        llms = {"plain": specjax.LLM(args.model, **kw),  # "float": the draft's weights as stored (quantization None)
+                "float": specjax.LLM(args.model, speculative_config={**spec, "quantization": None}, **kw),
                 "q8_0": specjax.LLM(args.model, speculative_config={**spec, "quantization": "q8_0"}, **kw)}
         prompts = (token_prompts(llms["plain"].tokenizer, args.num_prompts, args.prompt_len) if args.prompts == "stdlib"
                    else selfgen_prompts(args.model, args.num_prompts, args.prompt_len))
