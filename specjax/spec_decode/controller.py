@@ -437,14 +437,16 @@ class SpeculationController:
         return expected_accepted_sums(reach, cap_row, self.k_max)
 
     def _best_drafting(self, rows: int, n: float, gains: list[float], sampled: bool) -> tuple[int, float]:
-        """The K >= 1 with the most expected tokens per second for ``n`` rows, or the longest within
-        ``longer_k_margin`` of it, and that K's rate; (0, 0) when no row drafts."""
-        rates = [(k, (n + gain) / self.costs.estimate(rows, k, False, sampled))
-                 for k, gain in enumerate(gains[1:], start=1) if not math.isnan(gain)]
-        if not rates:
-            return 0, 0.0
-        least = max(rate for _, rate in rates) * (1.0 - self.config.longer_k_margin)
-        return max((k, rate) for k, rate in rates if rate >= least)
+        """The K >= 1 with the most expected tokens per second for ``n`` rows and that rate; (0, 0) when no
+        row drafts."""
+        best_k, best_rate = 0, 0.0
+        for k, gain in enumerate(gains[1:], start=1):
+            if math.isnan(gain):
+                continue
+            rate = (n + gain) / self.costs.estimate(rows, k, False, sampled)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
 
     def _plan_rates(self, rows: int, plan: RowCaps, gains: list[float]) -> tuple[int, float, float, float]:
         """:meth:`_rates` of ``plan``'s rows: tokens per step count every row; draining, the last row's (its

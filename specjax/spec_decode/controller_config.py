@@ -58,12 +58,6 @@ class ControllerConfig:
     q8_0 drafts took 2312 steps for 120 requests of 64 tokens where fixed K = 4 took 2190 (2201 with the margin).
     Fewer measurements may be one slow moment: draft_model at batch 1 put K = 3 11% above K = 4 from two steps,
     where a run of K = 3 costs ~10% less, and never tried it again."""
-    longer_k_margin: float = 0.03
-    """A drafting K with expected tokens per second within this share of the best K's is chosen over it when
-    longer (the longest such). The K's of a batch size often tie within a few percent in the estimates while
-    fixed K's measured apart: eagle3 at batch 1, T 0.8 on the shipped pair, fixed K = 2 / 3 / 4 1.121 / 1.214 /
-    1.224x plain with all three within 1% in the estimates, and the controller settled on K = 2 for 27-50% of
-    its steps in some runs (0.94-0.96 of fixed K = 4); with this margin 0.984 (benchmarks/README.md)."""
     min_speedup: float = 1.1
     """Drafting must promise this many times the expected tokens per second of a plain step: the rates leave
     out measurement noise and the proposer's prefill, and "never slower than plain" wants a margin."""
@@ -147,9 +141,6 @@ class ControllerConfig:
             raise ValueError(f"max_prior_strength must be >= prior_strength ({self.prior_strength}) and "
                              f"sampled_prior_strength ({self.sampled_prior_strength}), got "
                              f"{self.max_prior_strength!r}")
-        if isinstance(self.longer_k_margin, bool) or not (
-                isinstance(self.longer_k_margin, (int, float)) and 0.0 <= self.longer_k_margin < 1.0):
-            raise ValueError(f"longer_k_margin must be in [0, 1), got {self.longer_k_margin!r}")
         if not (0.0 <= self.initial_acceptance <= 1.0):
             raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance!r}")
         for name, low in (("cost_window", 1), ("cost_max_age", 0), ("learn_drafts", 0), ("learn_requests", 1),
