@@ -195,19 +195,19 @@ def test_error_mid_generate_aborts_cleanly(llm, monkeypatch):
     params = specjax.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = _prompts(14, [5, 9])
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    real_run = llm.runner.launch
+    real_launch = llm.runner.launch
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        return real_run(*args, **kwargs)
+        return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(llm.runner, "launch", flaky)
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(prompts, params)
-    monkeypatch.setattr(llm.runner, "launch", real_run)
+    monkeypatch.setattr(llm.runner, "launch", real_launch)
     assert not llm.engine.has_unfinished
     assert llm.engine.scheduler.blocks.num_free == llm.engine_config.total_kv_blocks
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before
