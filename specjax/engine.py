@@ -31,6 +31,8 @@ WARMUP_ROUNDS = (3, 12)
 """Warmup timing rounds over a row bucket's step kinds: at least, and at most (see WARMUP_TIMING_SECONDS)."""
 WARMUP_TIMING_SECONDS = 0.5
 """A row bucket's warmup timing runs rounds beyond the least while its rounds so far took less than this."""
+ACCOUNT_BATCH = 64
+"""The most decoding steps whose timings wait for the cost model while a plan holds (see Engine._account)."""
 
 
 @dataclasses.dataclass
@@ -72,7 +74,7 @@ class Engine:
         self._ahead = 1  # drafts a chained proposer makes for the next step (Decision.ahead, see draft_ahead)
         self._last_kind: tuple | None = None  # (bucket, detached) of the last step (cold steps: CostModel)
         self._last_done: float | None = None  # perf_counter when the last step's measured part ended (CostModel)
-        self._unaccounted: tuple | None = None  # the last decoding step's timings, for the cost model (_account)
+        self._unaccounted: list[tuple] = []  # decoding steps' timings not yet given to the cost model (_account)
 
     # ------------------------------------------------------------------ buckets
 
@@ -354,49 +356,52 @@ class Engine:
         last_done, self._last_done = self._last_done, done
         if decoding and self.controller is not None and not self.runner.compiled_last_run:
             sampled = any(r.request.params.temperature > 0 for r in rows)  # (numpy right after a step is slow)
-            self._unaccounted = ((bucket[0], sampled), k, detached, ahead, switched, self._planned,
-                                 None if last_done is None else plan_start - last_done, run_start - plan_start,
-                                 done - run_start)
+            self._unaccounted.append(((bucket[0], sampled), k, detached, ahead, switched, self._planned,
+                                      None if last_done is None else plan_start - last_done,
+                                      run_start - plan_start, done - run_start))
             if not detached and not finished and self.controller.shadow_due(bucket[0], sampled):
                 self._shadow_step(rows, slots, bucket[0], sampled)
         if not self.scheduler.has_unfinished:
-            self._account()  # (no next step to hide it behind)
+            self._account(flush=True)  # (no next step to hide it behind)
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed
         return finished
 
-    def _account(self) -> None:
-        """Hand the last decoding step's timings to the controller's cost model.
+    def _account(self, flush: bool = False) -> None:
+        """Hand the decoding steps' timings to the controller's cost model: while a plan holds, in one go before
+        the step that plans next (else every ``ACCOUNT_BATCH`` steps), or at once with ``flush``.
 
         Runs while the device computes the next step (or before a shadow step, or when the batch is done): host
         work before a step's launch cost 2.5-4x its own time there and ~0.2x after it (shipped target alone,
         batch 1, a 35 us busy loop: +90-145 us a step before the launch, +6 us between launch and fetch; in part
         because on the 2-vCPU VM measured, threads idle for 0.2-1 ms wake 16-105 us late). The costs a plan
-        reads therefore lag one step."""
-        if self._unaccounted is None:
+        reads therefore lag one step. In one go, because code run right after a step runs cold: accounting one
+        step at a time took 9-11 us of every held step (median; ngram and eagle3 at batch 1, T 0.8), 0.5-0.7 us
+        in one go (and 45-52 us for the steps of a hold)."""
+        backlog = self._unaccounted
+        if not backlog or (self._held and not flush and len(backlog) < ACCOUNT_BATCH):
             return
-        bucket, k, detached, ahead, switched, planned, overhead, planning, seconds = self._unaccounted
-        self._unaccounted, costs = None, self.controller.costs
-        rows, sampled = bucket
-        if overhead is not None:
-            costs.observe_overhead(bucket, overhead)
-        # A chained proposer's step costs its K's verify and its drafts ahead; the kind K is what a run of K
-        # costs, drafting K ahead (as warmup times it). A step growing or shrinking the drafts ahead costs
-        # another K's drafts: it would pollute this K's cost (eagle3 at batch 1, T 0.8: K = 1 steps drafting
-        # 3 ahead, before a K = 3 run, put K = 1 at 1.9 ms where a run of K = 1 costs ~1.3).
-        if detached or not self.proposer.chained_drafts or ahead == max(k, 1):
-            costs.observe((rows, k, detached, sampled), seconds, switched=switched)
-        if not detached:
-            costs.observe_planning(bucket, planning, full=planned)
+        self._unaccounted, costs, chained = [], self.controller.costs, self.proposer.chained_drafts
+        for bucket, k, detached, ahead, switched, planned, overhead, planning, seconds in backlog:
+            if overhead is not None:
+                costs.observe_overhead(bucket, overhead)
+            # A chained proposer's step costs its K's verify and its drafts ahead; the kind K is what a run of K
+            # costs, drafting K ahead (as warmup times it). A step growing or shrinking the drafts ahead costs
+            # another K's drafts: it would pollute this K's cost (eagle3 at batch 1, T 0.8: K = 1 steps drafting
+            # 3 ahead, before a K = 3 run, put K = 1 at 1.9 ms where a run of K = 1 costs ~1.3).
+            if detached or not chained or ahead == max(k, 1):
+                costs.observe((bucket[0], k, detached, bucket[1]), seconds, switched=switched)
+            if not detached:
+                costs.observe_planning(bucket, planning, full=planned)
         if not self._held:  # the next step plans: its costs are worked out here, off its path
-            costs.refresh(rows, sampled)
+            costs.refresh(*bucket)
 
     def _shadow_step(self, rows, slots: np.ndarray, num_rows: int, sampled: bool) -> None:
         """Time the target alone on ``rows`` (just decoded; ``num_rows`` their row bucket) for the controller,
         twice (the first runs cold, see ``CostModel``), in steps that write nothing: each row re-reads its context
         up to its last computed token, with no KV slot and no persistent slot (as padding rows have), and the
         output is dropped (``ControllerConfig.shadow_band``). It leaves out the commit a real step does."""
-        self._account()  # (the cost model sees steps in the order they ran)
+        self._account(flush=True)  # (the cost model sees steps in the order they ran)
         n = len(rows)
         starts = np.asarray([r.request.num_computed_tokens - 1 for r in rows], np.int64)
         outputs = np.asarray([len(r.request.output_token_ids) for r in rows], np.int64)

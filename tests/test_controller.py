@@ -1017,15 +1017,16 @@ def test_engine_plans_a_step_kept_plain_once_per_replan_every_steps(target_dir):
     assert len(plans) <= -(-decoding_steps // c.config.replan_every) + 1  # + 1: the rows changed at most once
 
 
-def test_each_decoding_steps_cost_reaches_the_cost_model_once_in_order_while_the_next_step_runs(target_dir):
-    """The engine hands a step's time to the cost model after launching the next step (host work there overlaps
-    the device's), and the batch's last step's when the batch is done: every decoding step is measured once, in
-    the order they ran."""
+def test_each_decoding_steps_cost_reaches_the_cost_model_once_in_order_while_a_later_step_runs(target_dir):
+    """The engine hands steps' times to the cost model after launching a later step (host work there overlaps
+    the device's): while a plan holds, several in one go, and always before the next plan, which then reads
+    every step's time but the last one's; the batch's last steps' when the batch is done. Every decoding step
+    is measured once, in the order they ran."""
     llm = specjax.LLM(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                       "prompt_lookup_min": 1, "prompt_lookup_max": 2}, **KW)
     c, runner = llm.engine.controller, llm.runner
-    events = []  # ("launch", K or None for a prefill step), ("fetch",), ("cost", K) in the order they happened
-    real_launch, real_fetch, real_observe = runner.launch, runner.fetch, c.costs.observe
+    events = []  # ("launch", K or None for a prefill step), ("fetch",), ("cost", K), ("plan",) in order
+    real_launch, real_fetch, real_observe, real_decide = runner.launch, runner.fetch, c.costs.observe, c.decide
 
     def launch(batch):
         events.append(("launch", batch.host_drafts.shape[1] if batch.tokens.shape[1] == 1 else None))
@@ -1034,17 +1035,27 @@ def test_each_decoding_steps_cost_reaches_the_cost_model_once_in_order_while_the
     runner.launch = launch
     runner.fetch = lambda out: (events.append(("fetch",)), real_fetch(out))[1]
     c.costs.observe = lambda key, *a, **kw: (events.append(("cost", key[1])), real_observe(key, *a, **kw))
+    c.decide = lambda *a, **kw: (events.append(("plan",)), real_decide(*a, **kw))[1]
     motif = np.random.default_rng(3).integers(4, 32, size=5).tolist()
-    prompts = [{"prompt_token_ids": (motif * 4)[: n]} for n in (12, 17)]  # repetitive: lookups hit, K varies
-    params = specjax.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    llm.generate(prompts, params)
-    steps = [e[1] for e in events if e[0] == "launch" and e[1] is not None]
-    assert [e[1] for e in events if e[0] == "cost"] == steps and len(set(steps)) > 1
-    last = max(i for i, e in enumerate(events) if e[0] == "fetch")
-    for i, e in enumerate(events[:last]):
-        if e[0] == "cost":
-            assert events[i - 1][0] == "launch", f"step cost measured outside a step's run: {events[i - 3:i + 2]}"
-    assert [e[0] for e in events[last + 1:]] == ["cost"]
+    batched = 0  # costs given in one go
+    for n in (12, 17):  # repetitive: lookups hit, K varies; one row at a time, so plans hold
+        events.clear()
+        llm.generate([{"prompt_token_ids": (motif * 4)[: n]}],
+                     specjax.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        steps = [e[1] for e in events if e[0] == "launch" and e[1] is not None]
+        assert [e[1] for e in events if e[0] == "cost"] == steps and len(set(steps)) > 1
+        last = max(i for i, e in enumerate(events) if e[0] == "fetch")
+        running = False  # a step was launched and not yet fetched
+        for i, e in enumerate(events[:last]):
+            running = e[0] == "launch" or (running and e[0] != "fetch")
+            if e[0] == "cost":
+                assert running, f"step cost measured outside a step's run: {events[i - 3:i + 2]}"
+                batched += events[i - 1][0] == "cost"
+            if e[0] == "plan":
+                launched = sum(1 for x in events[:i] if x[0] == "launch" and x[1] is not None)
+                assert sum(1 for x in events[:i] if x[0] == "cost") >= launched - 1, "a plan read stale costs"
+        assert set(e[0] for e in events[last + 1:]) == {"cost"}
+    assert batched > 0
 
 
 def test_engine_with_a_host_lookup_that_drafts_matches_plain_decoding(target_dir):
