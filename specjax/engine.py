@@ -377,7 +377,7 @@ class Engine:
         because on the 2-vCPU VM measured, threads idle for 0.2-1 ms wake 16-105 us late). The costs a plan
         reads therefore lag one step. In one go, because code run right after a step runs cold: accounting one
         step at a time took 9-11 us of every held step (median; ngram and eagle3 at batch 1, T 0.8), 0.5-0.7 us
-        in one go (and 45-52 us for the steps of a hold)."""
+        in one go (and 45-48 us for the steps of a hold)."""
         backlog = self._unaccounted
         if not backlog or (self._held and not flush and len(backlog) < ACCOUNT_BATCH):
             return
@@ -394,7 +394,7 @@ class Engine:
             if not detached:
                 costs.observe_planning(bucket, planning, full=planned)
         if not self._held:  # the next step plans: its costs are worked out here, off its path
-            costs.refresh(*bucket)
+            costs.refresh(*backlog[-1][0])
 
     def _shadow_step(self, rows, slots: np.ndarray, num_rows: int, sampled: bool) -> None:
         """Time the target alone on ``rows`` (just decoded; ``num_rows`` their row bucket) for the controller,
