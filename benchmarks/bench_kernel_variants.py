@@ -50,8 +50,8 @@ from models import llama  # noqa: E402
 from models.cpu_kernels import build  # noqa: E402
 from specjax.kv_cache import KVCache  # noqa: E402
 
-_PREFETCH = "__builtin_prefetch(rec + kPrefetchBytes + b, 0, kPrefetchLocality);"
-_PLAIN, _NTA = "__builtin_prefetch(rec + kPrefetchBytes + b);", "__builtin_prefetch(rec + kPrefetchBytes + b, 0, 0);"
+_PREFETCH = "__builtin_prefetch(rec + kAhead + b, 0, kLocality);"
+_PLAIN, _NTA = "__builtin_prefetch(rec + kAhead + b);", "__builtin_prefetch(rec + kAhead + b, 0, 0);"
 _SPLITS = "  const int64_t splits = (s.T + kQueryTokens - 1) / kQueryTokens;"
 _RANGE = "    const int64_t t0 = split * kQueryTokens, t1 = std::min(s.T, t0 + kQueryTokens);"
 # (The ninth session's x_transposed / x_grouped variants, not adopted, edited the kernel as it stood at db5803e;
@@ -67,6 +67,14 @@ VARIANTS = {  # name -> [(source file, its text, replacement)]
     "nta_prefetch_4k": [("panels.h", _PREFETCH, _NTA)],
     "nta_prefetch_8k": [("panels.h", _PREFETCH, _NTA),
                         ("panels.h", "kPrefetchBytes = 4096;", "kPrefetchBytes = 8192;")],
+    # Every call's prefetch into the L2 only (prefetcht1), 4, 8 or 16 KiB ahead; a plain one 8 KiB ahead; none.
+    "l2_prefetch_4k": [("panels.h", _PREFETCH, "__builtin_prefetch(rec + 4096 + b, 0, 2);")],
+    "l2_prefetch_8k": [("panels.h", _PREFETCH, "__builtin_prefetch(rec + 8192 + b, 0, 2);")],
+    "l2_prefetch_16k": [("panels.h", _PREFETCH, "__builtin_prefetch(rec + 16384 + b, 0, 2);")],
+    "plain_prefetch_8k": [("panels.h", _PREFETCH, "__builtin_prefetch(rec + 8192 + b);")],
+    "no_prefetch": [("panels.h", _PREFETCH, "(void)b;")],
+    # The kernel before 2026-12-07: a model's weights beyond the last-level cache prefetched as any other's.
+    "stream_as_cached": [("panels.h", "    if (stream && M > 1)\n", "    if (false)\n")],
     "tasks_of_16_panels": [("panels.h", "constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;",
                             "constexpr int64_t kChunk = 16;")],
     # Attention: with fewer (row, kv head) tasks than twice the threads (batch 1: 3 kv heads on 2 threads),

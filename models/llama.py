@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.cpu_layout import embedding_rows, is_cpu_layout, matmul_p, to_cpu_layout  # noqa: F401 (re-exported)
+from models.cpu_layout import (  # noqa: F401 (re-exported)
+    embedding_rows, is_cpu_layout, matmul_p, streaming, to_cpu_layout, weights_streamed)
 from models.llama_config import (  # noqa: F401 (re-exported)
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
@@ -284,7 +285,7 @@ class DecoderLayer(nn.Module):
             return cpu_decoder_layer.decoder_layer(
                 x, positions, attn_metadata.slot_mapping, attn_metadata.block_tables, k_cache, v_cache, rope,
                 weights=fused, num_heads=c.num_attention_heads, intermediate=c.intermediate_size,
-                block_size=block_size, eps=c.rms_norm_eps)
+                block_size=block_size, eps=c.rms_norm_eps, stream=streaming())
         normed = RMSNorm(c.rms_norm_eps, pd, name="input_layernorm")(x)
         attn, k_cache, v_cache = Attention(c, pd, name="self_attn")(
             normed, positions, k_cache, v_cache, attn_metadata, block_size
@@ -362,32 +363,34 @@ class Model(nn.Module):
         c, pd = self.config, self.param_dtype
         if len(kv_cache.k) != c.num_hidden_layers:
             raise ValueError(f"kv_cache has {len(kv_cache.k)} layers, config.num_hidden_layers={c.num_hidden_layers}")
-        embed = Embed(c.vocab_size, c.hidden_size, pd, name="embed_tokens")
-        x = embed(tokens)  # [B, T, D]
-        if self.has_variable("params", "norm"):  # applying: rows of narrowed panels come back to the params' dtype
-            x = x.astype(self.get_variable("params", "norm")["scale"].dtype)
-        new_k, new_v = [], []
-        for i in range(c.num_hidden_layers):  # Python loop: unrolled, fine at our depths
-            x, k_i, v_i = DecoderLayer(c, pd, name=f"layers_{i}")(
-                x, positions, kv_cache.k[i], kv_cache.v[i], attn_metadata, kv_cache.block_size
-            )
-            new_k.append(k_i)
-            new_v.append(v_i)
-            if i in self.aux_layer_ids:
-                self.sow("intermediates", f"aux_{i}", x)
-        hidden = RMSNorm(c.rms_norm_eps, pd, name="norm")(x)  # [B, T, D]
+        # Every product below as this model's (its weights beyond the last-level cache or not; cpu_layout).
+        with weights_streamed(self.variables.get("params", {})):
+            embed = Embed(c.vocab_size, c.hidden_size, pd, name="embed_tokens")
+            x = embed(tokens)  # [B, T, D]
+            if self.has_variable("params", "norm"):  # applying: rows of narrowed panels come back to the params' dtype
+                x = x.astype(self.get_variable("params", "norm")["scale"].dtype)
+            new_k, new_v = [], []
+            for i in range(c.num_hidden_layers):  # Python loop: unrolled, fine at our depths
+                x, k_i, v_i = DecoderLayer(c, pd, name=f"layers_{i}")(
+                    x, positions, kv_cache.k[i], kv_cache.v[i], attn_metadata, kv_cache.block_size
+                )
+                new_k.append(k_i)
+                new_v.append(v_i)
+                if i in self.aux_layer_ids:
+                    self.sow("intermediates", f"aux_{i}", x)
+            hidden = RMSNorm(c.rms_norm_eps, pd, name="norm")(x)  # [B, T, D]
 
-        selected = hidden  # [B, L, D] (L = T unless logits_indices)
-        if logits_indices is not None:
-            # Gather before the LM head: only L of the T positions need [V]-sized logits.
-            idx = logits_indices.astype(jnp.int32)[:, :, None]  # [B, L, 1]
-            selected = jnp.take_along_axis(hidden, idx, axis=1, mode="clip")  # [B, L, D]
-        if c.tie_word_embeddings:
-            logits = embed.attend(selected)  # float32 [B, L, V]
-        else:
-            logits = LMHead(c.vocab_size, pd, name="lm_head")(selected)  # float32 [B, L, V]
-        cache = _kv().KVCache(k=tuple(new_k), v=tuple(new_v), block_size=kv_cache.block_size)
-        return logits.astype(jnp.float32), hidden, cache
+            selected = hidden  # [B, L, D] (L = T unless logits_indices)
+            if logits_indices is not None:
+                # Gather before the LM head: only L of the T positions need [V]-sized logits.
+                idx = logits_indices.astype(jnp.int32)[:, :, None]  # [B, L, 1]
+                selected = jnp.take_along_axis(hidden, idx, axis=1, mode="clip")  # [B, L, D]
+            if c.tie_word_embeddings:
+                logits = embed.attend(selected)  # float32 [B, L, V]
+            else:
+                logits = LMHead(c.vocab_size, pd, name="lm_head")(selected)  # float32 [B, L, V]
+            cache = _kv().KVCache(k=tuple(new_k), v=tuple(new_v), block_size=kv_cache.block_size)
+            return logits.astype(jnp.float32), hidden, cache
 
 
 # --------------------------------------------------------------------------- functional API
@@ -466,10 +469,11 @@ def forward_features(
 
 def lm_head_logits(params: Mapping[str, Any], hidden: jax.Array, *, config: LlamaConfig) -> jax.Array:
     """float32 logits [B, L, V] of final-normed ``hidden [B, L, D]`` (for heads that reuse the LM head)."""
-    if config.tie_word_embeddings:
-        return _tied_logits(params["embed_tokens"], hidden, config.vocab_size)
-    if "kernel_p" in params["lm_head"]:  # derived CPU layout
-        return matmul_p(hidden, params["lm_head"]["kernel_p"], config.vocab_size, out_dtype=jnp.float32)
+    with weights_streamed(params):  # the model's products, as in Model
+        if config.tie_word_embeddings:
+            return _tied_logits(params["embed_tokens"], hidden, config.vocab_size)
+        if "kernel_p" in params["lm_head"]:  # derived CPU layout
+            return matmul_p(hidden, params["lm_head"]["kernel_p"], config.vocab_size, out_dtype=jnp.float32)
     w = params["lm_head"]["kernel"]  # [D, V]
     return jnp.einsum("bld,dv->blv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 

@@ -37,7 +37,7 @@ from test_models import (  # noqa: E402
 )
 from tiny_models import load_hf_torch_model, make_tiny_checkpoint  # noqa: E402
 
-from models import llama  # noqa: E402
+from models import cpu_layout, llama  # noqa: E402
 from models.cpu_kernels.build import ATTENTION_TARGET, LAYER_TARGET, TARGET  # noqa: E402
 from models.cpu_kernels.panel_matmul import panel_width, unpack  # noqa: E402
 from models.llama import (  # noqa: E402
@@ -211,6 +211,16 @@ def _engine_compiled_text(config: LlamaConfig, params, t: int) -> str:
     return buckets.get(t).as_text()
 
 
+def _run_step(config: LlamaConfig, params, t: int) -> jax.Array:
+    """The logits of one row of ``t`` query tokens, through the step of :func:`_engine_compiled_text`."""
+    cache = KVCache.allocate(num_layers=config.num_hidden_layers, num_blocks=4, block_size=8,
+                             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=jnp.float32)
+    positions = jnp.arange(3, 3 + t, dtype=jnp.int32)[None]  # [1, T]
+    tokens = jnp.arange(7, 7 + t, dtype=jnp.int32)[None]
+    return jax.jit(_step_fn(config, t))(params, cache, tokens, positions, positions,
+                                        jnp.arange(4, dtype=jnp.int32)[None])[0]
+
+
 def _entry(text: str) -> str:
     return text.split("\nENTRY ")[1]
 
@@ -310,6 +320,36 @@ def test_fused_decoder_layer_takes_only_layers_it_computes_and_refuses_bad_input
         decoder_layer(x, pos, pos, tables, cache, cache, rope, **{**kw, "block_size": 5})
     with pytest.raises(ValueError, match=r"weights\['o_p'\]"):
         decoder_layer(x, pos, pos, tables, cache, cache, rope, **{**kw, "weights": {**weights, "o_p": weights["qkv_p"]}})
+
+
+def test_last_level_cache_bytes_reads_the_largest_cache_of_sysfs(tmp_path):
+    for index, size in enumerate(("48K", "32K", "2048K", "307200K")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    (tmp_path / "index4").mkdir()  # no size file: skipped
+    assert cpu_layout.last_level_cache_bytes(str(tmp_path)) == 307200 * 1024
+    assert cpu_layout.last_level_cache_bytes(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the XLA:CPU executable")
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_model_beyond_the_last_level_cache_runs_every_product_with_the_streaming_prefetch(fused, monkeypatch):
+    """``stream`` is set on each panel product and fused layer of a model whose weights exceed the last-level cache
+    (here made small), and nowhere when they fit or the cache size is unknown; the logits are the same."""
+    monkeypatch.setattr(llama, "FUSE_CPU_LAYERS", fused)
+    c = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    cpu = to_cpu_layout(init_params(c, jax.random.key(1)), c)
+    size = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(cpu))
+    logits = {}
+    for llc, stream in ((size - 1, "true"), (size, "false"), (None, "false")):
+        monkeypatch.setattr(cpu_layout, "last_level_cache_bytes", lambda llc=llc: llc)
+        entry = _entry(_engine_compiled_text(c, cpu, 5))
+        calls = _calls(entry) + _calls(entry, LAYER_TARGET)
+        assert len(calls) == (c.num_hidden_layers + 1 if fused else 4 * c.num_hidden_layers + 1), entry
+        assert all(f"stream = {stream}" in call for call in calls), calls
+        logits[llc] = np.asarray(_run_step(c, cpu, 5))
+    np.testing.assert_array_equal(logits[size - 1], logits[size])
 
 
 # --------------------------------------------------------------------------- what the engine runs

@@ -77,17 +77,19 @@ struct Weights {
   const ffi::AnyBuffer* o;
   const ffi::AnyBuffer* gate_up;
   const ffi::AnyBuffer* down;
+  bool stream;  // the model's weights exceed the last-level cache (panel::Matmul)
 };
 
 // y = panels . x for a weight buffer already validated (FormatOf != kNone), into a [M, P kPanel] scratch; returns
 // its row width P kPanel.
 template <typename Pool>
-int64_t Product(Pool& pool, const ffi::AnyBuffer& w, const float* x, int64_t M, std::vector<float>& y) {
+int64_t Product(Pool& pool, const ffi::AnyBuffer& w, const float* x, int64_t M, std::vector<float>& y,
+                bool stream) {
   int64_t K = -1;
   const panel::Format format = panel::FormatOf(w, &K);
   const int64_t panels = w.dimensions()[0];
   y.resize(M * panels * panel::kPanel);
-  panel::Matmul(pool, format, x, w.untyped_data(), y.data(), M, K, panels);
+  panel::Matmul(pool, format, x, w.untyped_data(), y.data(), M, K, panels, stream);
   return panels * panel::kPanel;
 }
 
@@ -110,7 +112,7 @@ void Layer(Pool& pool, const float* x, const int32_t* positions, const int32_t* 
   std::vector<float> h(N * D), qkv, q(N * H * E), attn(N * H * E), proj, act(N * F);
   float* hp = h.data();
   EachRow(pool, N, [&](int64_t n) { RmsNorm(x + n * D, w.in_scale, hp + n * D, D, eps); });
-  const int64_t stride = Product(pool, *w.qkv, hp, N, qkv);
+  const int64_t stride = Product(pool, *w.qkv, hp, N, qkv, w.stream);
   EachRow(pool, N, [&](int64_t n) {
     float* row = qkv.data() + n * stride;  // q heads, k heads, v heads
     Rope(row, H + G, E, w.rope + n * E);
@@ -123,19 +125,19 @@ void Layer(Pool& pool, const float* x, const int32_t* positions, const int32_t* 
     }
   });
   attention::Run(pool, q.data(), kc, vc, positions, tables, attn.data(), s);
-  int64_t width = Product(pool, *w.o, attn.data(), N, proj);
+  int64_t width = Product(pool, *w.o, attn.data(), N, proj, w.stream);
   EachRow(pool, N, [&](int64_t n) {  // the residual, then the MLP's norm
     const float* p = proj.data() + n * width;
     for (int64_t d = 0; d < D; ++d) out[n * D + d] = x[n * D + d] + p[d];
     RmsNorm(out + n * D, w.post_scale, hp + n * D, D, eps);
   });
-  width = Product(pool, *w.gate_up, hp, N, proj);
+  width = Product(pool, *w.gate_up, hp, N, proj, w.stream);
   EachRow(pool, N, [&](int64_t n) {
     const float* __restrict gate = proj.data() + n * width;
     float* __restrict a = act.data() + n * F;
     for (int64_t f = 0; f < F; ++f) a[f] = gate[f] / (1.f + specjax::Exp(-gate[f])) * gate[F + f];  // silu(g) u
   });
-  width = Product(pool, *w.down, act.data(), N, proj);
+  width = Product(pool, *w.down, act.data(), N, proj, w.stream);
   EachRow(pool, N, [&](int64_t n) {
     const float* p = proj.data() + n * width;
     for (int64_t d = 0; d < D; ++d) out[n * D + d] += p[d];
@@ -154,7 +156,7 @@ ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
                         ffi::AnyBuffer qkv, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> post_scale, ffi::AnyBuffer gate_up,
                         ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out,
                         ffi::Result<ffi::AnyBuffer> v_out, int64_t num_heads, int64_t intermediate, int64_t block_size,
-                        float eps, float scale) {
+                        float eps, float scale, bool stream) {
   auto xd = x.dimensions(), kd = k_cache.dimensions(), pd = positions.dimensions(), td = block_tables.dimensions();
   if (x.element_type() != ffi::F32 || xd.size() != 3 || out->element_type() != ffi::F32 ||
       out->dimensions().size() != 3 || out->element_count() != x.element_count())
@@ -183,7 +185,8 @@ ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (k_cache.element_type() != ffi::F32 && k_cache.element_type() != ffi::BF16)
     return ffi::Error::InvalidArgument("specjax_decoder_layer: the caches must be float32 or bfloat16");
   const attention::Shape s{B, T, H, G, E, td[1], block_size, kd[0] / block_size, scale};
-  const Weights w{in_scale.typed_data(), post_scale.typed_data(), rope.typed_data(), &qkv, &o, &gate_up, &down};
+  const Weights w{in_scale.typed_data(), post_scale.typed_data(), rope.typed_data(), &qkv, &o, &gate_up, &down,
+                  stream};
   // The caches are aliased to k_out / v_out (the entry's input_output_aliases): written and read in place there.
   const float* xp = static_cast<const float*>(x.untyped_data());
   float* op = static_cast<float*>(out->untyped_data());
@@ -234,4 +237,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDecoderLayer, DecoderLayer,
                                   .Attr<int64_t>("intermediate")
                                   .Attr<int64_t>("block_size")
                                   .Attr<float>("eps")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("stream"));  // the model's weights exceed the last-level cache

@@ -47,11 +47,13 @@ def decoder_layer(
     intermediate: int,
     block_size: int,
     eps: float,
+    stream: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(x after the layer ``[B, T, D]`` float32, k_cache, v_cache with this step's keys and values written).
 
-    ``weights``: :func:`fused_weights` of the layer. Semantics: ``decoder_layer.cc``'s header. CPU only (an XLA
-    custom call with the caches aliased in place); raises RuntimeError if the kernels could not be built here.
+    ``weights``: :func:`fused_weights` of the layer. ``stream``: as :func:`panel_matmul.panel_matmul`'s. Semantics:
+    ``decoder_layer.cc``'s header. CPU only (an XLA custom call with the caches aliased in place); raises
+    RuntimeError if the kernels could not be built here.
     """
     b, t, d = x.shape
     if x.dtype != jnp.float32:
@@ -88,4 +90,4 @@ def decoder_layer(
         rope.astype(jnp.float32), weights["in_scale"], weights["qkv_p"], weights["o_p"],
         weights["post_scale"], weights["gate_up_p"], weights["down_p"],
         num_heads=np.int64(num_heads), intermediate=np.int64(intermediate), block_size=np.int64(block_size),
-        eps=np.float32(eps), scale=np.float32(e**-0.5))
+        eps=np.float32(eps), scale=np.float32(e**-0.5), stream=np.bool_(stream))

@@ -13,7 +13,8 @@ namespace {
 
 using namespace specjax::panel;  // NOLINT: the kernel body's formats and runners
 
-ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                       bool stream) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (x.element_type() != ffi::F32 || xd.size() != 2)
     return ffi::Error::InvalidArgument("specjax_panel_matmul: x must be float32 [M, K]");
@@ -29,7 +30,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument("specjax_panel_matmul: y must be float32 [M, P * SpecjaxPanelWidth()]");
   const float* xp = static_cast<const float*>(x.untyped_data());
   float* yp = static_cast<float*>(y->untyped_data());
-  Matmul(pool, format, xp, w.untyped_data(), yp, xd[0], K, wd[0]);
+  Matmul(pool, format, xp, w.untyped_data(), yp, xd[0], K, wd[0], stream);
   return ffi::Error::Success();
 }
 
@@ -77,6 +78,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelMatmul, PanelMatmul,
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] float32
                                   .Arg<ffi::AnyBuffer>()  // w panels in any format (FormatOf)
                                   .Ret<ffi::AnyBuffer>()  // y [M, kPanel * P] float32
+                                  .Attr<bool>("stream")  // the model's weights exceed the last-level cache
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelRows, PanelRows,

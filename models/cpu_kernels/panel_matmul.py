@@ -225,17 +225,18 @@ def rows_reference(w_p: Any, idx: Any) -> np.ndarray:
     return unpack(w_p, p * c).astype(np.float32)[np.clip(np.asarray(idx), 0, p * c - 1)]
 
 
-def _call(x2: jax.Array, w_p: jax.Array) -> jax.Array:
+def _call(x2: jax.Array, w_p: jax.Array, stream: bool) -> jax.Array:
     """pallas_call's counterpart: ``[M, K] f32 x [P, K, C] -> f32 [M, C P]`` through the XLA FFI."""
     out = jax.ShapeDtypeStruct((x2.shape[0], w_p.shape[0] * panel_width()), jnp.float32)
-    return jax.ffi.ffi_call(build.TARGET, out)(x2, w_p)
+    return jax.ffi.ffi_call(build.TARGET, out)(x2, w_p, stream=np.bool_(stream))
 
 
-def panel_matmul(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None) -> jax.Array:
+def panel_matmul(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None, stream: bool = False) -> jax.Array:
     """``x [..., K]`` times ``W.T`` for ``W [n, K]`` packed as ``w_p`` -> ``[..., n]`` in ``out_dtype`` (x's).
 
-    Accumulates in float32. CPU only (an XLA custom call); raises RuntimeError if the kernel could not be
-    built here (:func:`available` says so beforehand).
+    Accumulates in float32. ``stream``: the model's weights exceed the last-level cache, so the kernel prefetches
+    for a stream from memory (``panels.h``; the same products either way). CPU only (an XLA custom call); raises
+    RuntimeError if the kernel could not be built here (:func:`available` says so beforehand).
     """
     if w_p.dtype not in DTYPES and not is_quantized(w_p):
         raise ValueError(f"w_p must be float32 or bfloat16 panels or quantized records, got {w_p.dtype}")
@@ -252,7 +253,7 @@ def panel_matmul(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None)
         raise RuntimeError("the CPU panel-matmul kernel is not available here (see the log for why)")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     lead, k = x.shape[:-1], x.shape[-1]
-    y = _call(x.reshape(math.prod(lead), k).astype(jnp.float32), w_p)  # [M, C P]
+    y = _call(x.reshape(math.prod(lead), k).astype(jnp.float32), w_p, stream)  # [M, C P]
     return y[:, :n].astype(out_dtype).reshape(*lead, n)  # [..., n]
 
 

@@ -63,12 +63,32 @@ constexpr int kRowGroup = 6;
 // Intel Xeon with AVX-512 (GCC's -march=native: rocketlake) the non-temporal one made SmolLM2's steps ~2x
 // slower (1-token 64.5 -> 30.6 ms with the plain one; benchmarks/README.md, "Verify cost on CPU"). (A plain
 // prefetch 1 KiB ahead was slower than 2 KiB, and 2, 4 and 8 KiB alike, in earlier one-thread drivers.)
+//
+// Where the caller says the model's weights exceed the last-level cache (`stream`, so every weight comes from
+// memory) and a call has several rows, the prefetch goes into the L2 only, 8 KiB ahead. On the Intel Xeon
+// (AVX-512, 2 cores, 300 MiB L3; 2026-12-07) a random Llama of 592 MiB of float32 panels (wide155m) took, per
+// variant in one process: batch 1, 5 rows 0.92x the time (4 KiB ahead 0.94-0.97x), 1 row 1.01x (so one row keeps
+// the plain prefetch); batch 8, 8 rows 0.92x, 40 rows 0.95x. Models whose weights the L3 holds were 2-9% slower
+// with it (a random 30M Llama, the shipped 7.5M target, SmolLM2's GGUF blocks). Not measured on AMD Zen, which
+// keeps its non-temporal prefetch.
 #if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 constexpr int kPrefetchLocality = 0;  // non-temporal
+constexpr int kStreamLocality = 0;
+constexpr int64_t kStreamPrefetchBytes = 4096;
 #else
 constexpr int kPrefetchLocality = 3;  // into every cache level
+constexpr int kStreamLocality = 2;  // into the L2 (prefetcht1)
+constexpr int64_t kStreamPrefetchBytes = 8192;
 #endif
 constexpr int64_t kPrefetchBytes = 4096;
+
+// Prefetches the record of `bytes` that lies this prefetch's distance past rec.
+template <bool Stream>
+SPECJAX_INLINE void PrefetchAhead(const uint8_t* rec, int64_t bytes) {
+  constexpr int kLocality = Stream ? kStreamLocality : kPrefetchLocality;
+  constexpr int64_t kAhead = Stream ? kStreamPrefetchBytes : kPrefetchBytes;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(rec + kAhead + b, 0, kLocality);
+}
 // Panels claimed per task (64 columns): small enough that two threads finish together.
 constexpr int64_t kChunk = 64 / kPanel > 0 ? 64 / kPanel : 1;
 
@@ -284,13 +304,13 @@ struct QuantizedX {
 };
 
 // As Tile, for the integer formats: per record, each vector's int32 sums, then their float contribution.
-template <int MR, typename F>
+template <int MR, typename F, bool Stream>
 inline void TileDot(const QuantizedX& x, const uint8_t* panel, float* y, int64_t K, int64_t N, int64_t m0,
                     int64_t n0) {
   fvec acc[MR][kVecs] = {};
   for (int64_t r = 0; r < K / 32; ++r) {
     const uint8_t* rec = panel + r * F::kBytes;
-    for (int64_t b = 0; b < F::kBytes; b += 64) __builtin_prefetch(rec + kPrefetchBytes + b, 0, kPrefetchLocality);
+    PrefetchAhead<Stream>(rec, F::kBytes);
     const F f(rec);
     const int32_t* xq[MR];
     for (int i = 0; i < MR; ++i) xq[i] = x.Words(m0 + i, r);
@@ -307,16 +327,16 @@ inline void TileDot(const QuantizedX& x, const uint8_t* panel, float* y, int64_t
     for (int v = 0; v < kVecs; ++v) StoreVec(y + (m0 + m) * N + n0 + v * kLanes, acc[m][v]);
 }
 
-template <int MR, typename F>
+template <int MR, typename F, bool Stream>
 inline void TileDotIf(int64_t rows, const QuantizedX& x, const uint8_t* panel, float* y, int64_t K, int64_t N,
                       int64_t m0, int64_t n0) {
   if constexpr (MR > 0) {
-    if (rows == MR) return TileDot<MR, F>(x, panel, y, K, N, m0, n0);
-    TileDotIf<MR - 1, F>(rows, x, panel, y, K, N, m0, n0);
+    if (rows == MR) return TileDot<MR, F, Stream>(x, panel, y, K, N, m0, n0);
+    TileDotIf<MR - 1, F, Stream>(rows, x, panel, y, K, N, m0, n0);
   }
 }
 
-template <typename F, typename Pool>
+template <typename F, bool Stream, typename Pool>
 void RunDot(Pool& pool, const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t panels) {
   const QuantizedX qx(pool, x, M, K);
   const QuantizedX* qp = &qx;
@@ -327,19 +347,20 @@ void RunDot(Pool& pool, const float* x, const void* w, float* y, int64_t M, int6
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = wb + p * (K / 32) * F::kBytes;
       int64_t m0 = 0;
-      for (; m0 + kRowGroup <= M; m0 += kRowGroup) TileDot<kRowGroup, F>(*qp, panel, y, K, N, m0, p * kPanel);
-      TileDotIf<kRowGroup - 1, F>(M - m0, *qp, panel, y, K, N, m0, p * kPanel);
+      for (; m0 + kRowGroup <= M; m0 += kRowGroup)
+        TileDot<kRowGroup, F, Stream>(*qp, panel, y, K, N, m0, p * kPanel);
+      TileDotIf<kRowGroup - 1, F, Stream>(M - m0, *qp, panel, y, K, N, m0, p * kPanel);
     }
   });
 }
 
 // y[m0 + m, n0 : n0 + kPanel] = sum_k x[m0 + m, k] * panel[k, :] for m < MR, k ascending in every format.
-template <int MR, typename F>
+template <int MR, typename F, bool Stream>
 inline void Tile(const float* x, const uint8_t* panel, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
   fvec acc[MR][kVecs] = {};
   for (int64_t r = 0; r < K / F::kK; ++r) {
     const uint8_t* rec = panel + r * F::kBytes;
-    for (int64_t b = 0; b < F::kBytes; b += 64) __builtin_prefetch(rec + kPrefetchBytes + b, 0, kPrefetchLocality);
+    PrefetchAhead<Stream>(rec, F::kBytes);
     const F f(rec);
     for (int j = 0; j < F::kSteps; ++j) {
       fvec w[F::kSub][kVecs];
@@ -357,35 +378,35 @@ inline void Tile(const float* x, const uint8_t* panel, float* y, int64_t K, int6
     for (int v = 0; v < kVecs; ++v) StoreVec(y + (m0 + m) * N + n0 + v * kLanes, acc[m][v]);
 }
 
-template <int MR, typename F>
+template <int MR, typename F, bool Stream>
 inline void TileIf(int64_t rows, const float* x, const uint8_t* panel, float* y, int64_t K, int64_t N, int64_t m0,
                    int64_t n0) {
   if constexpr (MR > 0) {
-    if (rows == MR) return Tile<MR, F>(x, panel, y, K, N, m0, n0);
-    TileIf<MR - 1, F>(rows, x, panel, y, K, N, m0, n0);
+    if (rows == MR) return Tile<MR, F, Stream>(x, panel, y, K, N, m0, n0);
+    TileIf<MR - 1, F, Stream>(rows, x, panel, y, K, N, m0, n0);
   }
 }
 
 // Panels [p0, p1) for all M rows; a panel is re-read (from cache) once per row group, and a quantized one
 // dequantized again: keeping the first group's float32 weights for the next groups (a per-thread copy in L2)
 // was not faster (SmolLM2 batch 8, K = 4, 40 rows: 1.01x; batch 1, K = 8, 9 rows: 0.94x).
-template <typename F>
+template <typename F, bool Stream>
 void Panels(const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* panel = w + p * (K / F::kK) * F::kBytes;
     int64_t m0 = 0;
-    for (; m0 + kRowGroup <= M; m0 += kRowGroup) Tile<kRowGroup, F>(x, panel, y, K, N, m0, p * kPanel);
-    TileIf<kRowGroup - 1, F>(M - m0, x, panel, y, K, N, m0, p * kPanel);
+    for (; m0 + kRowGroup <= M; m0 += kRowGroup) Tile<kRowGroup, F, Stream>(x, panel, y, K, N, m0, p * kPanel);
+    TileIf<kRowGroup - 1, F, Stream>(M - m0, x, panel, y, K, N, m0, p * kPanel);
   }
 }
 
-template <typename F, typename Pool>
+template <typename F, bool Stream, typename Pool>
 void Run(Pool& pool, const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t panels) {
   int64_t chunks = (panels + kChunk - 1) / kChunk;
   const uint8_t* wb = static_cast<const uint8_t*>(w);
   specjax::ParallelFor(pool, chunks, [=](int64_t c) {
     int64_t p0 = c * kChunk, p1 = p0 + kChunk < panels ? p0 + kChunk : panels;
-    Panels<F>(x, wb, y, M, K, panels * kPanel, p0, p1);
+    Panels<F, Stream>(x, wb, y, M, K, panels * kPanel, p0, p1);
   });
 }
 
@@ -427,16 +448,23 @@ void WithFormat(Format f, Fn fn) {
   }
 }
 
-// y[M, P kPanel] = x[M, K] . panels w [P, ...]^T in w's format (FormatOf, which must not be kNone).
+// y[M, P kPanel] = x[M, K] . panels w [P, ...]^T in w's format (FormatOf, which must not be kNone). stream: the
+// model's weights exceed the last-level cache (the prefetch above; the products are the same either way).
 template <typename Pool>
 void Matmul(Pool& pool, Format format, const float* x, const void* w, float* y, int64_t M, int64_t K,
-            int64_t panels) {
+            int64_t panels, bool stream) {
   WithFormat(format, [&](auto tag) {
     using F = typename decltype(tag)::type;
-    if constexpr (std::is_same_v<F, Q4_1Dot> || std::is_same_v<F, Q8_0Dot>)
-      RunDot<F>(pool, x, w, y, M, K, panels);
+    const auto run = [&](auto streams) {
+      if constexpr (std::is_same_v<F, Q4_1Dot> || std::is_same_v<F, Q8_0Dot>)
+        RunDot<F, decltype(streams)::value>(pool, x, w, y, M, K, panels);
+      else
+        Run<F, decltype(streams)::value>(pool, x, w, y, M, K, panels);
+    };
+    if (stream && M > 1)
+      run(std::true_type{});
     else
-      Run<F>(pool, x, w, y, M, K, panels);
+      run(std::false_type{});
   });
 }
 
