@@ -68,9 +68,9 @@ constexpr int kRowGroup = 6;
 // memory) and a call has several rows, the prefetch goes into the L2 only, 8 KiB ahead. On the Intel Xeon
 // (AVX-512, 2 cores, 300 MiB L3; 2026-12-07) a random Llama of 592 MiB of float32 panels (wide155m) took, per
 // variant in one process: batch 1, 5 rows 0.92x the time (4 KiB ahead 0.94-0.97x), 1 row 1.01x (so one row keeps
-// the plain prefetch); batch 8, 8 rows 0.92x, 40 rows 0.95x. Models whose weights the L3 holds were 2-9% slower
-// with it (a random 30M Llama, the shipped 7.5M target, SmolLM2's GGUF blocks). Not measured on AMD Zen, which
-// keeps its non-temporal prefetch.
+// the plain prefetch); batch 8, 8 rows 0.92x, 40 rows 0.95x. Models whose weights the L3 holds were up to 9%
+// slower with it, none faster (a random 30M Llama, the shipped 7.5M target, SmolLM2's GGUF blocks). Not measured
+// on AMD Zen, which keeps its non-temporal prefetch.
 #if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 constexpr int kPrefetchLocality = 0;  // non-temporal
 constexpr int kStreamLocality = 0;
