@@ -492,19 +492,21 @@ def test_holds_double_for_the_same_rows_up_to_8x_and_start_over_when_rows_change
     assert [_decide(c, 1, ["b"], [False], [K], [True]).hold for _ in range(2)] == [3, 7]
 
 
-def test_a_drafting_decision_repeated_for_the_same_rows_holds_twice_as_long_up_to_4x():
+def test_a_drafting_decision_repeated_holds_twice_as_long_up_to_4x_also_for_the_next_request():
     c = _controller(FLAT, probe_every=0, draft_replan_every=4)
     _teach(c, "a", 0.9)
     _teach(c, "b", 0.9)
     first = _decide(c, 1, ["a"], [False], [K], [True])
     assert first.k == K and first.hold == 3
-    holds = [_decide(c, 1, ["a"], [False], [K], [True]).hold for _ in range(4)]
-    assert holds == [7, 15, 15, 15]
-    assert _decide(c, 1, ["b"], [False], [K], [True]).hold == 3  # other rows: from draft_replan_every again
-    assert _decide(c, 1, ["b"], [False], [K], [True]).hold == 7
-    # Another decision for the same rows (a lower cap: the row can commit only 2 more tokens) starts over too.
+    holds = [_decide(c, 1, ["a"], [False], [K], [True]).hold for _ in range(2)]
+    assert holds == [7, 15]
+    # The next request at batch 1 whose plan makes the same decision keeps the hold's length (a plan every 16
+    # steps, not 4, 8, 16 again for each request).
+    assert [_decide(c, 1, ["b"], [False], [K], [True]).hold for _ in range(2)] == [15, 15]
+    # Another decision (a lower cap: the row can commit only 2 more tokens) starts over, and so does the one after it.
     capped = _decide(c, 1, ["b"], [False], [2], [True])
     assert capped.k == 2 and capped.hold == 3
+    assert _decide(c, 1, ["a"], [False], [K], [True]).hold == 3
     # 0 or 1: plan every step, however often the decision repeats.
     for every in (0, 1):
         c = _controller(FLAT, probe_every=0, draft_replan_every=every)
@@ -558,7 +560,7 @@ def test_one_row_whose_lookup_found_nothing_holds_the_plan_a_hit_would_have_made
     assert short.hold == 15 and short.held[0] == hit.k and short.held[1].tolist() == hit.caps.tolist()
     assert c.decide(1, wanted(), found=np.asarray([0])).hold == 15  # (up to 4x)
     other = c.decide(1, c.row_caps(["b"], [False], np.asarray([K]), np.asarray([True])), found=np.asarray([0]))
-    assert other.hold == 3  # another request: its first such plan
+    assert other.hold == 15 and other.held[0] == hit.k  # the next request making the same decision: as long
 
 
 def test_no_plan_is_held_while_detaching_is_voted_on():

@@ -96,8 +96,8 @@ class ControllerConfig:
     misses kept the step from drafting, it holds only while such lookups seldom hit (``min_lookup_hits``)."""
     draft_replan_every: int = 4
     """A decision with drafts serves this many decoding steps of the same rows (0 or 1 = plan every step), twice as
-    many for each plan in a row that made the same decision for the same rows (up to 4x), each row drafting up to
-    its cap, unless it probes, explores a neighbouring K, learns the method's acceptance, detaching is being voted
+    many for each plan in a row that made the same decision (up to 4x; for a new request too), each row drafting up
+    to its cap, unless it probes, explores a neighbouring K, learns the method's acceptance, detaching is being voted
     on, or the drafts of several rows come from a host lookup (whether verifying what a lookup finds pays changes
     every step: ngram at batch 8 held such plans at 0.89x plain; one row's held step verifies what its lookup
     finds, up to the cap, or runs plain, and a plan whose lookup found fewer drafts or none holds the same
