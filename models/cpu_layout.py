@@ -62,13 +62,12 @@ def matmul_p(x: jax.Array, w_p: jax.Array, n: int, *, out_dtype: Any = None) -> 
 @functools.cache
 def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> Optional[int]:
     """The size of this machine's largest CPU cache (Linux sysfs under ``root``), or None where it cannot be read."""
-    sizes = []
+    sizes, units = [], {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for index in Path(root).glob("index*"):
         try:
             text = (index / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         if text[:-1].isdigit() and text[-1] in units:
             sizes.append(int(text[:-1]) * units[text[-1]])
         elif text.isdigit():
