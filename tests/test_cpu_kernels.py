@@ -214,6 +214,29 @@ def test_int8_activation_products_match_their_reference(kind, n, k, m):
     assert np.abs(y - exact).max() < 0.03 * np.abs(exact).max()
 
 
+def test_int8_activation_products_are_exact_at_the_extremes_of_both_bytes():
+    """Weights at q = -128, -127 and 127 against activations all at +-127 (every block's |x| equal): the byte
+    products' pair sums are as large as int8 x int8 gets, where a 16-bit pair sum saturates (AVX2's vpmaddubsw on
+    the unsigned q + 128 would); the integer sums must still be exact: the kernel equals the reference's float64
+    arithmetic, and for Q4_1 (q 0 and 15) alike."""
+    rng = np.random.default_rng(5)
+    n, k, m = 48, 256, 5
+    signs = rng.choice([-1.0, 1.0], size=(m, k)).astype(np.float32)
+    x = signs * rng.uniform(0.5, 2.0, size=(m, k // 32, 1)).repeat(32, axis=2).reshape(m, k).astype(np.float32)
+    q8 = rng.choice(np.array([-128, -127, 127], np.int8), size=(n, k))
+    q8[:, :32] = 127  # a whole block at the positive extreme against rows of one sign
+    x[0, :32] = np.abs(x[0, :32])
+    d = rng.uniform(0.01, 0.02, size=(n, k // 32)).astype(np.float16)
+    q4 = rng.choice(np.array([0, 15], np.uint8), size=(n, k))
+    for packed in (pm.pack_q8_0(q8, d, dot=True), pm.pack_q4_1(q4, d, -8 * d, dot=True)):
+        y = np.asarray(pm.panel_matmul(jnp.asarray(x), jnp.asarray(packed), n))
+        ref = pm.dot_reference(x, packed, n)
+        np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    # The all-127 block against row 0's positive block: 32 * 127 * 127 = 516128 in its integer sum.
+    xq, dx = pm.quantize_rows(x[:1])
+    assert (xq[0, :32] == 127).all() and (q8[:, :32] == 127).all()
+
+
 def test_int8_activation_rows_do_not_depend_on_the_other_rows():
     """Each row is quantized alone and summed in integers: a row of a 9-row call (a verify) equals the 1-row call
     on it (a plain step) bit for bit, which keeps speculation exact for a model run this way."""
