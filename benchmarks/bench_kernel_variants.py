@@ -98,8 +98,7 @@ VARIANTS = {  # name -> [(source file, its text, replacement)]
         ("common.h", "#elif defined(__AVX2__)\n  return (fvec)_mm256_slli", "#elif 0\n  return (fvec)_mm256_slli")],
     # Byte dot products (int8 activations) on AVX2 without VNNI in generic vector code, as before 2026-12-07 (four
     # shifts, masks, 32-bit multiplies and adds per row and weight word; common.h now uses vpmaddubsw / vpmaddwd).
-    "generic_byte_dots": [("common.h", "#elif defined(__AVX2__) && !defined(__AVX512F__)\n  // vpmaddubsw",
-                           "#elif 0\n  // vpmaddubsw")],
+    "generic_byte_dots": [("common.h", "#define SPECJAX_AVX2_BYTE_DOTS 1\n", "#define SPECJAX_AVX2_BYTE_DOTS 0\n")],
     # The same kernels with every layer as separate operations (models.llama.FUSE_CPU_LAYERS off, below).
     "separate_layers": [],
 }

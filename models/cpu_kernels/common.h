@@ -97,27 +97,54 @@ SPECJAX_INLINE uvec LoadWords(const uint8_t* p) {
   return v;
 }
 
+// AVX2 without VNNI (AMD Zen 1-3, Intel before Alder Lake): byte dot products by vpmaddubsw, which multiplies
+// unsigned by signed bytes and sums pairs into int16 lanes, saturating, then vpmaddwd into the int32 lanes.
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
+#define SPECJAX_AVX2_BYTE_DOTS 1
+#else
+#define SPECJAX_AVX2_BYTE_DOTS 0
+#endif
+// The quantized weights' byte dot products take signed weight bytes (DotSignedBytes) where that is the machine's
+// cheaper form, else unsigned ones offset by 128 (DotBytes).
+constexpr bool kSignedByteDots = SPECJAX_AVX2_BYTE_DOTS;
+
 // acc + the sums over each lane's 4 bytes of u's unsigned byte times x4's signed byte (x4: 4 int8 in one word,
 // the same for every lane, each in [-127, 127] as QuantizedX makes them): VNNI's vpdpbusd where the machine has it
-// (no saturation: int32 sums); on AVX2 without VNNI (AMD Zen 1-3, Intel before Alder Lake) vpmaddubsw and
-// vpmaddwd; else the same arithmetic in generic vector code.
+// (no saturation: int32 sums), else the same arithmetic in generic vector code.
 SPECJAX_INLINE ivec DotBytes(ivec acc, uvec u, int32_t x4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   return (ivec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_set1_epi32(x4));
 #elif defined(__AVXVNNI__) && defined(__AVX__) && !defined(__AVX512F__)
   return (ivec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, _mm256_set1_epi32(x4));
-#elif defined(__AVX2__) && !defined(__AVX512F__)
-  // vpmaddubsw's int16 pair sums would saturate with u up to 255, so it multiplies |s| by x with s's sign, s = u -
-  // 128 as a signed byte (a pair is then at most 2 * 128 * 127 = 32512 in magnitude: exact), as llama.cpp's AVX2
-  // dot products do; vpmaddwd sums the pairs into the int32 lanes, and the 128 x that s leaves out is added back.
-  const __m256i s = _mm256_xor_si256((__m256i)u, _mm256_set1_epi8(static_cast<char>(0x80)));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(_mm256_set1_epi32(x4), s));
-  const int32_t x_sum = static_cast<int8_t>(x4) + static_cast<int8_t>(x4 >> 8) + static_cast<int8_t>(x4 >> 16) +
-                        static_cast<int8_t>(x4 >> 24);
-  return acc + (ivec)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)) + 128 * x_sum;
 #else
   for (int b = 0; b < 4; ++b)
     acc += (ivec)((u >> (8 * b)) & 255u) * static_cast<int32_t>(static_cast<int8_t>(x4 >> (8 * b)));
+  return acc;
+#endif
+}
+
+// DotBytes for u's bytes at most 127 (4-bit weights): on AVX2 without VNNI one vpmaddubsw, which cannot saturate
+// there (a pair sums to at most 2 * 127 * 127 = 32258 in magnitude).
+SPECJAX_INLINE ivec DotSmallBytes(ivec acc, uvec u, int32_t x4) {
+#if SPECJAX_AVX2_BYTE_DOTS
+  const __m256i pairs = _mm256_maddubs_epi16((__m256i)u, _mm256_set1_epi32(x4));
+  return acc + (ivec)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else
+  return DotBytes(acc, u, x4);
+#endif
+}
+
+// acc + the sums over each lane's 4 bytes of s's signed byte times x4's (x4 as in DotBytes): on AVX2 |s| times x
+// with s's sign, as llama.cpp's AVX2 dot products do (a pair is at most 2 * 128 * 127 = 32512 in magnitude: exact;
+// vpmaddubsw on the unsigned s + 128 would saturate), else the same arithmetic in generic vector code.
+SPECJAX_INLINE ivec DotSignedBytes(ivec acc, uvec s, int32_t x4) {
+#if SPECJAX_AVX2_BYTE_DOTS
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8((__m256i)s), _mm256_sign_epi8(_mm256_set1_epi32(x4),
+                                                                                           (__m256i)s));
+  return acc + (ivec)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else
+  for (int b = 0; b < 4; ++b)
+    acc += ((ivec)(s << (24 - 8 * b)) >> 24) * static_cast<int32_t>(static_cast<int8_t>(x4 >> (8 * b)));
   return acc;
 #endif
 }

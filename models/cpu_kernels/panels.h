@@ -198,8 +198,8 @@ struct Q4_1Dot : Q4_1Scales {
     for (int g = 0; g < 4; ++g) {
       const specjax::uvec w = specjax::LoadWords(q + (g * kPanel + v * kLanes) * 4);
       const specjax::uvec lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
-      for (int i = 0; i < MR; ++i) ia[i] = specjax::DotBytes(specjax::DotBytes(ia[i], lo, xq[i][2 * g]), hi,
-                                                             xq[i][2 * g + 1]);
+      for (int i = 0; i < MR; ++i)
+        ia[i] = specjax::DotSmallBytes(specjax::DotSmallBytes(ia[i], lo, xq[i][2 * g]), hi, xq[i][2 * g + 1]);
     }
   }
   // The block's float contribution: d dx sum(q xq) + m sum(x).
@@ -227,11 +227,17 @@ struct Q8_0Dot {
   SPECJAX_INLINE void Dot(int v, const int32_t* const (&xq)[MR], specjax::ivec (&ia)[MR]) const {
     for (int g = 0; g < 8; ++g) {
       const specjax::uvec w = specjax::LoadWords(q + (g * kPanel + v * kLanes) * 4);
-      for (int i = 0; i < MR; ++i) ia[i] = specjax::DotBytes(ia[i], w, xq[i][g]);
+      if constexpr (specjax::kSignedByteDots) {  // the bytes back to q (signed): no offset to take off
+        const specjax::uvec s = w ^ 0x80808080u;
+        for (int i = 0; i < MR; ++i) ia[i] = specjax::DotSignedBytes(ia[i], s, xq[i][g]);
+      } else {
+        for (int i = 0; i < MR; ++i) ia[i] = specjax::DotBytes(ia[i], w, xq[i][g]);
+      }
     }
   }
   SPECJAX_INLINE fvec Finish(int v, specjax::ivec ia, const float* xb) const {  // xb[2]: 128 sum(xq)
-    return __builtin_convertvector(ia - static_cast<int32_t>(xb[2]), fvec) * (d[v] * xb[0]);
+    const int32_t offset = specjax::kSignedByteDots ? 0 : static_cast<int32_t>(xb[2]);
+    return __builtin_convertvector(ia - offset, fvec) * (d[v] * xb[0]);
   }
   SPECJAX_INLINE float At(int k, int64_t c) const {
     return static_cast<float>(static_cast<int>(q[((k / 4) * kPanel + c) * 4 + k % 4]) - 128) *
