@@ -274,8 +274,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), required=True)
     ap.add_argument("--model", default="smollm2", help="as bench_verify_cost.py's --models")
-    ap.add_argument("--layout", default="after", choices=["after", "blocks"],
-                    help="bench_verify_cost.py's layouts: float panels, or (smollm2) the GGUF file's blocks")
+    ap.add_argument("--layout", default="after", choices=["after", "blocks", "int8"],
+                    help="bench_verify_cost.py's layouts: float panels, or (smollm2) the GGUF file's blocks, with "
+                         "float or (int8) int8 activations")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--k", type=int, default=4, help="the verify step has K + 1 query tokens per row")
     ap.add_argument("--context", type=int, default=256)
