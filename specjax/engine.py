@@ -71,6 +71,8 @@ class Engine:
         # order, and whether requests waited (a plan made while the batch drained must not outlive it) ...
         self._held_plan: tuple[int, list[int]] = (0, [])  # ... with this K and these caps
         self._planned = True  # the last decoding step's plan was made in full (not a held one)
+        self._prepared: tuple | None = None  # (key as _held_key, Decision, the controller's state before it) of
+        # a plan made for the next step while the device ran this one (see _prepare)
         self._ahead = 1  # drafts a chained proposer makes for the next step (Decision.ahead, see draft_ahead)
         self._last_kind: tuple | None = None  # (bucket, detached) of the last step (cold steps: CostModel)
         self._last_done: float | None = None  # perf_counter when the last step's measured part ended (CostModel)
@@ -154,6 +156,7 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def abort_all(self) -> None:
+        self._drop_prepared()
         for request in self.scheduler.abort_all():
             self._release(request)
 
@@ -169,6 +172,10 @@ class Engine:
         n = len(rows)
         waiting = bool(self.scheduler.waiting)  # else the batch drains (RowCaps.remaining)
         key = (slots.tobytes(), waiting)
+        if self._prepared is not None:  # (made for these rows: step() drops it otherwise)
+            got = self._prepared_step(rows, slots, key)
+            if got is not None:
+                return got
         self._planned = not (self._held and self._held_key == key)
         if not self._planned:
             return self._held_step(rows, slots)
@@ -193,11 +200,53 @@ class Engine:
             return (k if any(limits) else 0), np.array(limits, np.int32), host_drafts, False
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
+        return self._use(key, plan, [min(a, b) for a, b in zip(limits, plan.caps.tolist())], host_drafts)
+
+    def _use(self, key: tuple, plan, caps: list[int], host_drafts) -> tuple[int, np.ndarray, list | None, bool]:
+        """Run the controller's ``plan`` (a Decision) in this step with these ``caps`` [R]; :meth:`_plan`'s result."""
         self._held, self._held_key, self._ahead = plan.hold, key, plan.ahead
         held_k, held_caps = plan.held or (plan.k, plan.caps)
         self._held_plan = held_k, held_caps.tolist()
-        caps = np.array([min(a, b) for a, b in zip(limits, plan.caps.tolist())], np.int32)
-        return plan.k, caps, host_drafts, plan.detached and self.proposer.syncs
+        return plan.k, np.array(caps, np.int32), host_drafts, plan.detached and self.proposer.syncs
+
+    def _prepare(self, rows, slots: np.ndarray, k: int, ahead: int) -> None:
+        """Plan the next step of ``rows`` while the device runs this one (of K = ``k``, drafting ``ahead``), from
+        the acceptance up to the last step: a full plan on the host between two steps delays the next launch by
+        its whole time (~0.2 ms, draft_model at batch 1 on the shipped pair), and work beside the device's step
+        costs a fraction of that. Only where the next step plans in full anyway and its rows' limits cannot
+        change: no row can reach max_tokens or max_model_len within this step and the next one's drafts, and
+        the proposer's drafts do not come from a host lookup (it needs this step's tokens)."""
+        c = self.controller
+        if c is None or self._held or self.proposer.host_side or not self.scheduler.slots.synced[slots].any():
+            return
+        if int(self._remaining(rows).min()) <= k + 1 + self.k_max:
+            return
+        ids = [r.request.request_id for r in rows]
+        state = c.plan_state(ids)
+        limits, can_draft, open_limits = self._row_limits(rows, slots, self.k_max, ready_after=ahead)
+        waiting = bool(self.scheduler.waiting)
+        remaining = None if waiting else self._remaining(rows) - 1  # (this step commits a token a row at least)
+        wanted = c.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits, can_draft, remaining,
+                            open_limits)
+        plan = c.decide(bucket_for(len(rows), self.config.row_buckets, "num_seqs"), wanted, can_draft=can_draft)
+        self._prepared = (slots.tobytes(), waiting), plan, state
+
+    def _prepared_step(self, rows, slots: np.ndarray, key: tuple):
+        """:meth:`_plan` from the plan :meth:`_prepare` made for these rows, or None (dropped: a row's limits fell
+        short of its caps after all)."""
+        plan = self._prepared[1]
+        caps = plan.caps.tolist()
+        if any(a < b for a, b in zip(self._row_limits(rows, slots, plan.k)[0], caps)):
+            self._drop_prepared()
+            return None
+        self._prepared, self._planned = None, True
+        return self._use(key, plan, caps, None)
+
+    def _drop_prepared(self) -> None:
+        """Forget the plan :meth:`_prepare` made, as if never made: its step did not come for its rows."""
+        if self._prepared is not None:
+            self.controller.restore_plan_state(self._prepared[2])
+            self._prepared = None
 
     def _held_step(self, rows, slots: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray] | None, bool]:
         """A step of the same rows under the controller's last plan (:attr:`Decision.hold`), without planning:
@@ -217,10 +266,12 @@ class Engine:
         self.controller.held_step(k)
         return k, np.array(limits, np.int32), host_drafts, False
 
-    def _row_limits(self, rows, slots: np.ndarray, k: int) -> tuple[list[int], list[bool], list[int] | None]:
+    def _row_limits(self, rows, slots: np.ndarray, k: int,
+                    ready_after: int | None = None) -> tuple[list[int], list[bool], list[int] | None]:
         """([R]: the most drafts each row can verify, [R]: its proposer state is current, [R] or None: for a
         proposer that drafts ahead, the first were all K draft positions ready). Drafts only where they can commit:
-        never past max_tokens or max_model_len."""
+        never past max_tokens or max_model_len. ``ready_after``: the drafts ready in each row once the step
+        running now commits (:meth:`_prepare`; the step's draft_ahead), not those ready now."""
         # Python lists, here and through the plan: right after a step, numpy calls on few-element arrays cost ~10
         # us each, the first ufunc ~45 us (np.minimum of two 1-element arrays, batch 1; right after it 1.3 us).
         table, max_len = self.scheduler.slots, self.config.max_model_len
@@ -229,14 +280,15 @@ class Engine:
         for r, slot in zip(rows, slots.tolist()):
             request = r.request
             in_sync = bool(synced[slot])
-            can = in_sync and (ready is None or ready[slot] > 0)
+            have = 0 if ready is None else ready_after if ready_after is not None else int(ready[slot])
+            can = in_sync and (ready is None or have > 0)
             n = 0
             if in_sync and r.samples:
                 n = max(0, min(k, request.params.max_tokens - len(request.output_token_ids) - 1,
                                max_len - request.num_tokens - 1))
             if ready is not None:
                 open_limits.append(n)
-                n = min(n, int(ready[slot]))
+                n = min(n, have)
             limits.append(n)
             can_draft.append(can)
         return limits, can_draft, open_limits
@@ -320,6 +372,9 @@ class Engine:
         starts = np.asarray([r.start for r in rows], np.int64)
         num_new = np.asarray([r.num_new for r in rows], np.int64)
         decoding = num_new.max() == 1  # drafts are verified only when every row decodes (prefill steps are plain)
+        if self._prepared is not None and not (decoding and self._prepared[0] == (slots.tobytes(),
+                                                                                 bool(self.scheduler.waiting))):
+            self._drop_prepared()  # (before anything else asks the controller: its state is the plan's)
         plan_start = time.perf_counter()
         if decoding and self.spec_stats is not None:
             k, num_drafts, host_drafts, detached = self._plan(rows, slots)
@@ -348,6 +403,8 @@ class Engine:
             batch.draft_ahead[:n] = ahead
         pending = self.runner.launch(batch)
         self._account()  # the last step's costs, while the device runs this one (see _account)
+        if not detached and self.spec_stats is not None and (decoding or all(r.samples for r in rows)):
+            self._prepare(rows, slots, k, ahead)  # (a prefill step whose rows all decode next, too)
         packed = self.runner.fetch(pending)[:n]  # the step's one host fetch
         finished = self._commit(rows, packed, num_drafts, k, ahead)
         done = time.perf_counter()
@@ -362,6 +419,7 @@ class Engine:
             if not detached and not finished and self.controller.shadow_due(bucket[0], sampled):
                 self._shadow_step(rows, slots, bucket[0], sampled)
         if not self.scheduler.has_unfinished:
+            self._drop_prepared()
             self._account(flush=True)  # (no next step to hide it behind)
         self.stats.num_steps += 1
         self.stats.step_seconds += elapsed

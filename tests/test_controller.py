@@ -514,6 +514,23 @@ def test_a_drafting_decision_repeated_holds_twice_as_long_up_to_4x_also_for_the_
         assert [_decide(c, 1, ["a"], [False], [K], [True]).hold for _ in range(4)] == [0, 0, 0, 0]
 
 
+def test_a_restored_plan_state_undoes_a_plan_made_ahead_as_if_never_made():
+    c = _controller(FLAT, probe_every=0, draft_replan_every=4)
+    _teach(c, "a", 0.9)
+    assert _decide(c, 1, ["a"], [False], [K], [True]).hold == 3
+    state, histogram = c.plan_state(["a"]), list(c.k_histogram)
+    assert _decide(c, 1, ["a"], [False], [K], [True]).hold == 7  # made ahead: the decision repeats, its hold doubles
+    c.restore_plan_state(state)
+    assert c.k_histogram == histogram
+    assert _decide(c, 1, ["a"], [False], [K], [True]).hold == 7  # (15 had the plan made ahead counted)
+    # A request new in the undone plan leaves nothing behind, and neither does one that finished meanwhile.
+    state = c.plan_state(["a", "b"])
+    _decide(c, 2, ["a", "b"], [False, False], [K, K], [True, True])
+    c.finish("a")
+    c.restore_plan_state(state)
+    assert "a" not in c._idle_steps and "b" not in c._idle_steps and "b" not in c._probe_wait
+
+
 def test_where_only_lookup_misses_keep_steps_plain_a_plan_is_held_once_lookups_seldom_hit():
     c = _controller({(2, k, False): 1.0 + 0.1 * k for k in range(K + 1)}, replan_every=4, min_lookup_hits=0.1)
     _teach(c, "a", 0.9)
@@ -882,6 +899,43 @@ def test_adaptive_engine_is_lossless_varies_k_and_compiles_nothing_after_warmup(
     assert counter.count == 0 and llm.num_compiles == warm
     hist = llm.get_metrics()["k_histogram"]
     assert hist[0] > 0 and sum(hist[1:]) > 0  # plain and drafting steps both happened
+
+
+def test_plans_made_while_the_device_runs_serve_the_same_rows_and_are_undone_when_rows_change(target_dir, draft_dir):
+    plain = specjax.LLM(target_dir, warmup=False, **KW)
+    llm = specjax.LLM(target_dir, speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3}, **KW)
+    costs, eng = llm.engine.controller.costs, llm.engine
+    for key in list(costs.seconds):  # drafting is cheap: the steps draft
+        costs.set(key, 1.0 + 0.01 * key[1])
+    costs.frozen = True
+    counts = collections.Counter()
+    plan, prepared_step, drop = eng._plan, eng._prepared_step, eng._drop_prepared
+
+    def counted_plan(*args):
+        counts["plans"] += 1
+        return plan(*args)
+
+    def counted_prepared_step(*args):
+        got = prepared_step(*args)
+        counts["used" if got is not None else "limits fell"] += 1
+        return got
+
+    def counted_drop():
+        counts["dropped"] += eng._prepared is not None
+        drop()
+
+    eng._plan, eng._prepared_step, eng._drop_prepared = counted_plan, counted_prepared_step, counted_drop
+    prompts = _prompts(3, [5, 9, 7])
+    long = [specjax.SamplingParams(temperature=0.0, max_tokens=40) for _ in prompts]
+    first = plain.generate(prompts[:1], long[:1])[0].outputs[0].token_ids
+    # A stop token ends the first request where no plan could foresee it: the plan made for its rows is dropped.
+    stop = next(t for i, t in enumerate(first) if i >= 10 and t not in first[:i])
+    params = [specjax.SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop])] + long[1:]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert len(expected[0]) < 40 and counts["used"] > 0 and counts["dropped"] > 0
+    # Each decoding step counted once: the dropped plans' counts were undone.
+    assert sum(llm.get_metrics()["k_histogram"]) == counts["plans"]
 
 
 def _dear_drafting(c: SpeculationController, factor: float = 10.0) -> None:

@@ -582,6 +582,29 @@ class SpeculationController:
             (s := self._request_stats.get(rid)) is None or s.tried[0] < LEARN_DRAFTS_PER_REQUEST for rid in ids))
         return 1 if k and (few or self._unmeasured(rows, 1, sampled)) else 0
 
+    _PLAN_STATE = ("_held_steps", "_detach_votes", "_last_rates", "_held_ids", "_held_plans", "_draft_held",
+                   "_draft_holds", "_held_idle", "num_detached_steps")  # (each reassigned, never changed in place)
+
+    def plan_state(self, request_ids: list[str]) -> tuple:
+        """What :meth:`row_caps` and :meth:`decide` for ``request_ids`` change, for :meth:`restore_plan_state`."""
+        rows = {rid: (self._idle_steps.get(rid), self._probe_wait.get(rid))
+                for rid in (*request_ids, *self._held_idle)}
+        return [getattr(self, name) for name in self._PLAN_STATE], list(self.k_histogram), rows
+
+    def restore_plan_state(self, state: tuple) -> None:
+        """Undo a plan made ahead of its step that did not run (its rows changed): as if never made. Requests
+        finished since stay gone."""
+        values, self.k_histogram, rows = state
+        for name, value in zip(self._PLAN_STATE, values):
+            setattr(self, name, value)
+        for rid, before in rows.items():
+            if rid in self._idle_steps:  # (decide counts every row; finish() drops it)
+                for table, value in zip((self._idle_steps, self._probe_wait), before):
+                    if value is None:
+                        table.pop(rid, None)
+                    else:
+                        table[rid] = value
+
     def count_step(self, k: int, detached: bool) -> None:
         """Count a decoding step's K (also for steps planned without :meth:`decide`)."""
         self.k_histogram[k] += 1
