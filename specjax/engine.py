@@ -221,15 +221,15 @@ class Engine:
             return
         if int(self._remaining(rows).min()) <= k + 1 + self.k_max:
             return
-        ids = [r.request.request_id for r in rows]
-        state = c.plan_state(ids)
+        ids, waiting = [r.request.request_id for r in rows], bool(self.scheduler.waiting)
+        key = slots.tobytes(), waiting
+        self._prepared = key, None, c.plan_state(ids)  # (set first: abort_all undoes a plan interrupted midway)
         limits, can_draft, open_limits = self._row_limits(rows, slots, self.k_max, ready_after=ahead)
-        waiting = bool(self.scheduler.waiting)
         remaining = None if waiting else self._remaining(rows) - 1  # (this step commits a token a row at least)
         wanted = c.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits, can_draft, remaining,
                             open_limits)
         plan = c.decide(bucket_for(len(rows), self.config.row_buckets, "num_seqs"), wanted, can_draft=can_draft)
-        self._prepared = (slots.tobytes(), waiting), plan, state
+        self._prepared = key, plan, self._prepared[2]
 
     def _prepared_step(self, rows, slots: np.ndarray, key: tuple):
         """:meth:`_plan` from the plan :meth:`_prepare` made for these rows, or None (dropped: a row's limits fell
@@ -372,8 +372,9 @@ class Engine:
         starts = np.asarray([r.start for r in rows], np.int64)
         num_new = np.asarray([r.num_new for r in rows], np.int64)
         decoding = num_new.max() == 1  # drafts are verified only when every row decodes (prefill steps are plain)
-        if self._prepared is not None and not (decoding and self._prepared[0] == (slots.tobytes(),
-                                                                                 bool(self.scheduler.waiting))):
+        made = self._prepared
+        if made is not None and not (decoding and made[1] is not None
+                                     and made[0] == (slots.tobytes(), bool(self.scheduler.waiting))):
             self._drop_prepared()  # (before anything else asks the controller: its state is the plan's)
         plan_start = time.perf_counter()
         if decoding and self.spec_stats is not None:

@@ -936,6 +936,24 @@ def test_plans_made_while_the_device_runs_serve_the_same_rows_and_are_undone_whe
     assert len(expected[0]) < 40 and counts["used"] > 0 and counts["dropped"] > 0
     # Each decoding step counted once: the dropped plans' counts were undone.
     assert sum(llm.get_metrics()["k_histogram"]) == counts["plans"]
+    # A plan interrupted while made ahead (here: its decision raises) is undone when generate() aborts, and the
+    # next call runs as before.
+    decide, prepare = eng.controller.decide, eng._prepare
+
+    def interrupted_prepare(*args):
+        eng.controller.decide = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+        try:
+            prepare(*args)
+        finally:
+            eng.controller.decide = decide
+
+    eng._prepare = interrupted_prepare
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    assert eng._prepared is None and not eng.has_unfinished
+    eng._prepare = prepare
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert sum(llm.get_metrics()["k_histogram"]) == counts["plans"]
 
 
 def _dear_drafting(c: SpeculationController, factor: float = 10.0) -> None:
