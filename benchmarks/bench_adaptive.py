@@ -125,7 +125,7 @@ def controller_state(llm, batch: int, sampled: bool) -> dict:
     costs = {f"K={k}": round(c.costs.estimate(rows, k, False, sampled) * 1e3, 3) for k in range(c.k_max + 1)}
     if c.can_detach:
         costs["detached"] = round(c.costs.estimate(rows, 0, True, sampled) * 1e3, 3)
-    s = c.method_stats[sampled]
+    s = c.estimates.method_stats[sampled]
     return {"cost_ms": costs, "method_acceptance": [round(a / t, 3) if t else None for a, t in zip(s.accepted, s.tried)],
             "method_tried": [int(t) for t in s.tried]}
 

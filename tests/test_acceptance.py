@@ -118,13 +118,14 @@ def test_a_prior_applies_only_to_the_target_it_was_measured_with(tmp_path):
 def test_a_prior_ends_learning_and_weighs_prior_drafts_at_position_one():
     c = SpeculationController(4, ControllerConfig(prior_drafts=32), can_detach=True,
                               prior=_prior(((320, 160), (640, 320))))
-    assert not c.learning(False) and c.learning(True)  # no sampled counts: those are learned
-    assert c.method_stats[False].tried[:2] == [32, 16] and c.method_stats[False].accepted[:2] == [16, 8]
+    assert not c.estimates.learning(False) and c.estimates.learning(True)  # no sampled counts: those are learned
+    stats = c.estimates.method_stats[False]
+    assert stats.tried[:2] == [32, 16] and stats.accepted[:2] == [16, 8]
     assert c.conditional_acceptance("new", False)[:2] == pytest.approx([(16 + 4 * 0.6) / 36, (8 + 4 * 0.6) / 20])
     assert c.as_dict()["acceptance_prior"] == {"greedy": True, "sampled": False}
     # Fewer measured drafts than prior_drafts weigh as many as there are, and learning waits for the rest.
     few = SpeculationController(4, ControllerConfig(prior_drafts=32), can_detach=True, prior=_prior(((5,), (10,))))
-    assert few.method_stats[False].tried[0] == 10 and few.learning(False)
+    assert few.estimates.method_stats[False].tried[0] == 10 and few.estimates.learning(False)
 
 
 def test_with_a_poor_prior_the_first_request_is_prefilled_detached_on_warmup_costs():
@@ -139,9 +140,9 @@ def test_with_a_poor_prior_the_first_request_is_prefilled_detached_on_warmup_cos
         return c, c.row_caps(["new"], [False], np.asarray([4]), np.asarray([True]))
 
     c, new = controller(None)
-    assert c.learning(False) and not c.prefers_plain(1, new, 1)
+    assert c.estimates.learning(False) and not c.prefers_plain(1, new, 1)
     c, new = controller(_prior(((10, 1, 0, 0), (100, 10, 1, 0))))
-    assert not c.learning(False) and c.prefers_plain(1, new, 1)
+    assert not c.estimates.learning(False) and c.prefers_plain(1, new, 1)
     # A good prior drafts from the first decoding step, at the K its acceptance and the costs make best.
     c, new = controller(_prior(((95, 90, 85, 80), (100, 95, 90, 85))))
     assert not c.prefers_plain(1, new, 1)
@@ -158,9 +159,9 @@ def test_an_llm_starts_its_controller_from_the_prior_its_draft_ships_for_that_ta
     kw = dict(speculative_config=dict(STDLIB_SPEC), max_model_len=128, max_num_seqs=1, warmup=False)
     llm = specjax.LLM("builtin:target", **kw)
     assert llm.get_metrics()["acceptance_prior"] == {"greedy": True, "sampled": True}
-    assert not llm.engine.controller.learning(False)
+    assert not llm.engine.controller.estimates.learning(False)
     # The same weights under another path are another target as far as the prior knows: it learns.
     copy = shutil.copytree(resolve_model("builtin:target"), tmp_path / "target")
     other = specjax.LLM(str(copy), **kw)
     assert other.get_metrics()["acceptance_prior"] == {"greedy": False, "sampled": False}
-    assert other.engine.controller.learning(False)
+    assert other.engine.controller.estimates.learning(False)

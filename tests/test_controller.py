@@ -378,9 +378,10 @@ def test_while_learning_k_is_chosen_at_the_optimistic_acceptance_so_deeper_posit
     at_prior = c._rates(1, 1, c._gains(c.row_caps(["a"], [False], np.asarray([K]), np.asarray([True])).reach,
                                        np.asarray([K])), False)[0]
     assert at_prior == 1
-    assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == K  # nothing verified: bound 1
+    # Nothing verified: the bound is 1.
+    assert c.estimates.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == K
     _teach(c, "a", 1.0, n=40)  # learned (40 > learn_drafts): every draft was accepted, K = 4 pays on its own
-    assert not c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == K
+    assert not c.estimates.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == K
 
 
 def test_every_explore_every_th_detached_prefill_runs_attached_and_probes_before_detaching():
@@ -686,12 +687,12 @@ def test_learning_ends_early_when_even_optimistic_acceptance_cannot_pay():
     # K=1 costs 1.5x plain: it pays only if the first draft is accepted more than half the time.
     costs = {(1, 0, False): 1.0, (1, 1, False): 1.5} | {(1, k, False): 10.0 for k in range(2, K + 1)}
     c = _controller(costs)
-    assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == 1  # nothing verified: learn
+    assert c.estimates.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == 1  # nothing verified: learn
     for i in range(16):
         c.observe("a" + str(i % 2), False, 1, 0)  # 16 first drafts of two requests, all rejected: Wilson bound
         c.observe("b", True, 1, 1)  # (z = 2) 0.2 < 0.5; sampled drafts of the method, all accepted: they go on
-    assert c.learning(False) and c.method_stats[False].tried[0] < c.config.learn_drafts
-    np.testing.assert_allclose(c.optimistic_reach(False)[0], 0.2)
+    assert c.estimates.learning(False) and c.estimates.method_stats[False].tried[0] < c.config.learn_drafts
+    np.testing.assert_allclose(c.estimates.optimistic_reach(False)[0], 0.2)
     assert _decide(c, 1, ["a2"], [False], [K], [True]).k == 0
     assert _decide(c, 1, ["b2"], [True], [K], [True]).k == 1
     # The same failures against a cheap verify (K=1 at 1.05x) leave drafting possible: learning goes on.
@@ -722,15 +723,15 @@ def test_learning_lasts_until_learn_requests_requests_had_drafts_verified():
     c = SpeculationController(K, ControllerConfig(), can_detach=False)  # learn_requests = 4
     for _ in range(40):
         c.observe("a", True, K, 1)
-    assert c.learning(True)  # 40 drafts (> learn_drafts), all of one request
+    assert c.estimates.learning(True)  # 40 drafts (> learn_drafts), all of one request
     for r in ("b", "c"):
         for _ in range(LEARN_DRAFTS_PER_REQUEST):
             c.observe(r, True, K, 1)
     for _ in range(LEARN_DRAFTS_PER_REQUEST - 1):
         c.observe("d", True, K, 1)
-    assert c.learning(True)
+    assert c.estimates.learning(True)
     c.observe("d", True, K, 1)  # the fourth request's fourth draft
-    assert not c.learning(True) and c.learning(False)  # (greedy requests apart)
+    assert not c.estimates.learning(True) and c.estimates.learning(False)  # (greedy requests apart)
 
 
 def test_learning_does_not_end_on_one_requests_drafts():
@@ -742,7 +743,7 @@ def test_learning_does_not_end_on_one_requests_drafts():
     # little cheaper)
     for i in range(16):
         c.observe("a", False, 1, 0)
-    assert c.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == 0
+    assert c.estimates.learning(False) and _decide(c, 1, ["a"], [False], [K], [True]).k == 0
     new = c.row_caps(["b"], [False], np.asarray([K]), np.asarray([True]))
     assert not c.prefers_plain(1, new, 1)  # prefilled attached, to learn
     for i in range(LEARN_DRAFTS_PER_REQUEST):
@@ -972,7 +973,7 @@ def _learned(c: SpeculationController) -> None:
     for sampled in (False, True):
         for i in range(max(c.config.learn_drafts, c.config.learn_requests * LEARN_DRAFTS_PER_REQUEST)):
             c.observe(f"earlier{i % c.config.learn_requests}", sampled, c.k_max, c.k_max)
-    assert not c.learning(False) and not c.learning(True)
+    assert not c.estimates.learning(False) and not c.estimates.learning(True)
 
 
 def test_an_unlearned_method_drafts_to_learn_and_never_prefills_detached(target_dir, draft_dir):
@@ -1227,7 +1228,7 @@ def test_a_request_that_finishes_during_a_held_plan_leaves_no_state_behind():
     c.held_step()
     c.finish("a")  # "a" finished during the hold: the next plan has "b" alone
     _decide(c, 2, ["b"], [False], [K], [True])
-    assert "a" not in c._idle_steps and "a" not in c._request_stats
+    assert "a" not in c._idle_steps and "a" not in c.estimates.requests
 
 
 def test_a_draining_batch_drafts_only_where_drafts_shorten_its_longest_row():

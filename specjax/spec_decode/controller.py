@@ -13,7 +13,8 @@ It maximizes expected committed tokens per second, ``(R + sum_r E[accepted_r | c
 drafting only when that beats a step without drafts by ``min_speedup`` or while the method's first
 ``learn_drafts`` drafts teach it the acceptance (see ``learn_z``, ``learn_requests``), where ``E[accepted | c]
 = sum_{j<=c} prod_{i<=j} alpha_i`` with per-position conditional acceptance ``alpha_i`` estimated per request
-(a Beta-style mean with the method's running average as prior, greedy and sampled requests apart), and
+(a Beta-style mean with the method's running average as prior, greedy and sampled requests apart:
+:class:`~specjax.spec_decode.estimates.AcceptanceEstimates`), and
 ``cost`` is the wall time of that step kind (:class:`~specjax.spec_decode.costs.CostModel`: the machine's
 current speed x the kind's measured relation to it; a drafting K next to the chosen one is re-measured once per
 ``cost_max_age`` steps while it could be the better one; never above a kind that does more work).
@@ -30,18 +31,15 @@ for ``probe_every`` decoding steps gets a one-draft probe; each probe doubles th
 
 from __future__ import annotations
 
-import collections
-import itertools
 import math
-import operator
 
 import numpy as np
 
-from specjax.spec_decode.acceptance import (AcceptancePrior, AcceptanceStats, expected_accepted_sums,
-                                               prior_strength, upper_bound)
+from specjax.spec_decode.acceptance import AcceptancePrior, expected_accepted_sums
 from specjax.spec_decode.controller_config import LEARN_DRAFTS_PER_REQUEST, ControllerConfig  # noqa: F401 (re-exported)
 from specjax.spec_decode.costs import RELATION_MIN_STEPS, CostModel
 from specjax.spec_decode.drain import drain_gains
+from specjax.spec_decode.estimates import AcceptanceEstimates
 from specjax.spec_decode.plan import Decision, RowCaps
 
 
@@ -54,19 +52,8 @@ class SpeculationController:
         self.config = config
         self.can_detach = can_detach
         self.costs = CostModel(config.cost_window)
-        self.method_stats = {False: AcceptanceStats(k_max), True: AcceptanceStats(k_max)}  # sampled -> stats
-        self._primed = {False: False, True: False}  # sampled -> the method's stats start from a measured prior
-        for smp in (False, True):
-            counts = None if prior is None else prior.counts(smp)
-            if counts and counts[1][0] > 0:
-                scale = min(1.0, config.prior_drafts / counts[1][0])
-                self.method_stats[smp].seed([a * scale for a in counts[0]], [t * scale for t in counts[1]])
-                self._primed[smp] = True
-        self._request_stats: dict[str, AcceptanceStats] = {}
-        self._finished = {False: collections.deque(maxlen=64), True: collections.deque(maxlen=64)}  # sampled ->
-        # finished requests' (accepted, tried) drafts
-        self._strength = {False: config.prior_strength, True: config.sampled_prior_strength}  # see
-        # max_prior_strength
+        self.estimates = AcceptanceEstimates(k_max, config, prior)
+        """The method's and each running request's acceptance, as the plans read it."""
         self._idle_steps: dict[str, int] = {}
         self._probe_wait: dict[str, int] = {}
         self._detach_votes = 0
@@ -86,44 +73,16 @@ class SpeculationController:
         self.k_histogram = [0] * (k_max + 1)
         self.num_detached_steps = 0
         self.num_detached_prefills = 0
-        self._optimistic: dict[bool, tuple[tuple[int, float], list[float]]] = {}  # sampled -> (key, reach)
-        self._priors: dict[bool, tuple[int, list[float], list[float]]] = {}  # sampled -> (version, prior, reach)
         self._detached_prefill_votes = 0  # requests whose prefill the controller chose detached (see explore_every)
-        self._learned_from = {False: set(), True: set()}  # sampled -> requests with LEARN_DRAFTS_PER_REQUEST
-        # drafts verified (up to learn_requests of them)
         self._last_rates: tuple[tuple[int, bool], float, float] | None = None  # the last attached plan's (rows,
         # sampled), the tokens per second of the kind it chose and of a detached step (see shadow_due)
 
     # ------------------------------------------------------------------ estimates
 
-    def _prior(self, sampled: bool) -> tuple[list[float], list[float]]:
-        """([K_max] the method's conditional acceptance per position, [K_max] its running product), cached."""
-        s = self.method_stats[sampled]
-        cached = self._priors.get(sampled)
-        if cached is None or cached[0] != s.version:
-            init, m = self.config.initial_acceptance, self.config.prior_strength
-            prior = [(a + m * init) / (t + m) for a, t in zip(s.accepted, s.tried)]
-            cached = self._priors[sampled] = (s.version, prior, list(itertools.accumulate(prior, operator.mul)))
-        return cached[1], cached[2]
-
-    def _conditional(self, request_id: str, sampled: bool) -> list[float] | None:
-        """[K_max]: the request's estimated P(accept draft i | drafts before it accepted); None: no draft of it
-        verified yet (the method's prior stands)."""
-        s = self._request_stats.get(request_id)
-        if s is None:
-            return None
-        m = self._strength[sampled]
-        return [(a + m * p) / (t + m) for a, t, p in zip(s.accepted, s.tried, self._prior(sampled)[0])]
-
-    def _reach(self, request_id: str, sampled: bool) -> list[float]:
-        """[K_max]: the request's estimated P(draft j accepted) (a product of its conditional acceptances)."""
-        alpha = self._conditional(request_id, sampled)
-        return self._prior(sampled)[1] if alpha is None else list(itertools.accumulate(alpha, operator.mul))
-
     def conditional_acceptance(self, request_id: str, sampled: bool) -> np.ndarray:
         """float64 [K_max]: the request's estimated P(accept draft i | drafts before it accepted)."""
-        alpha = self._conditional(request_id, sampled)
-        return np.asarray(self._prior(sampled)[0] if alpha is None else alpha)
+        alpha = self.estimates.conditional(request_id, sampled)
+        return np.asarray(self.estimates.prior(sampled)[0] if alpha is None else alpha)
 
     @staticmethod
     def expected_accepted(alpha: np.ndarray) -> np.ndarray:
@@ -132,26 +91,12 @@ class SpeculationController:
         return np.concatenate([np.zeros(reach.shape[:-1] + (1,)), np.cumsum(reach, axis=-1)], axis=-1)
 
     def observe(self, request_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts <= 0:
-            return
-        self.method_stats[sampled].observe(num_drafts, num_accepted)
-        own = self._request_stats.get(request_id)
-        if own is None:
-            own = self._request_stats[request_id] = AcceptanceStats(self.k_max, sampled=sampled)
-        own.observe(num_drafts, num_accepted)
-        sources = self._learned_from[sampled]
-        if len(sources) < self.config.learn_requests and own.tried[0] >= LEARN_DRAFTS_PER_REQUEST:
-            sources.add(request_id)
+        """One verification of the request's drafts (see :meth:`AcceptanceEstimates.observe`)."""
+        self.estimates.observe(request_id, sampled, num_drafts, num_accepted)
 
     def finish(self, request_id: str) -> None:
-        s = self._request_stats.pop(request_id, None)
-        if s is not None and s.sampled is not None:
-            done = self._finished[s.sampled]
-            done.append((sum(s.accepted), sum(s.tried)))
-            cfg = self.config
-            initial = cfg.sampled_prior_strength if s.sampled else cfg.prior_strength
-            self._strength[s.sampled] = prior_strength(list(done), cfg.prior_strength, cfg.max_prior_strength,
-                                                       initial)
+        """The request ended: its estimate and its probe and idle counts go."""
+        self.estimates.finish(request_id)
         self._idle_steps.pop(request_id, None)
         self._probe_wait.pop(request_id, None)
 
@@ -178,7 +123,7 @@ class SpeculationController:
         open_caps = None if open_limits is None else []
         for i, (rid, smp, limit, can) in enumerate(zip(request_ids, sampled, np.asarray(limits).tolist(),
                                                        np.asarray(can_draft).tolist())):
-            row = self._reach(rid, bool(smp))  # non-increasing
+            row = self.estimates.reach(rid, bool(smp))  # non-increasing
             useful = sum(1 for x in row if x >= cfg.min_gain)  # positions worth drafting
             limit = min(limit, self.k_max) if can else 0
             probe = False
@@ -257,7 +202,8 @@ class SpeculationController:
         hold, held = 0, None
         # One row's host lookup: a held plan is what a hit would make; its held steps verify what each lookup
         # finds, up to the caps, or run plain, as new plans would (not while probing or learning).
-        one_lookup = found is not None and n == 1 and not any(plan.probing) and not self.learning(plan.sampled)
+        one_lookup = (found is not None and n == 1 and not any(plan.probing)
+                      and not self.estimates.learning(plan.sampled))
         if found is not None and k:  # the lookup found drafts worth verifying: a hit
             self.lookup_hit_rate += (1.0 - self.lookup_hit_rate) / 16
             plain = self.costs.estimate(rows, 0, False, plan.sampled)
@@ -471,23 +417,12 @@ class SpeculationController:
         method's unless the row's own drafts put it below with confidence (``detach_z``): detaching cannot be
         undone, and a request's estimate from a few sampled drafts dips by chance."""
         row_sampled = plan.row_sampled or [plan.sampled] * len(plan.request_ids)
-        reach = [self._detach_reach(rid, smp) for rid, smp in zip(plan.request_ids, row_sampled)]
+        reach = [self.estimates.detach_reach(rid, smp) for rid, smp in zip(plan.request_ids, row_sampled)]
         if reach == plan.reach:
             return True
         _, draft_rate, attached_rate, detached_rate = self._plan_rates(rows, plan,
                                                                        self._gains(reach, cap_row, plan.remaining))
         return self._detach_wins(draft_rate, attached_rate, detached_rate)
-
-    def _detach_reach(self, request_id: str, sampled: bool) -> list[float]:
-        """[K_max]: the request's P(draft j accepted) for the detaching vote (see :meth:`_detach_sure`)."""
-        s = self._request_stats.get(request_id)
-        if s is None:
-            return self._prior(sampled)[1]
-        alpha = self._conditional(request_id, sampled)
-        z = self.config.detach_z
-        alpha = [max(x, min(p, upper_bound(a, t, z)))
-                 for x, p, a, t in zip(alpha, self._prior(sampled)[0], s.accepted, s.tried)]
-        return list(itertools.accumulate(alpha, operator.mul))
 
     def _plain_rates(self, rows: int, n: float, sampled: bool) -> tuple[float, float]:
         """Tokens per second of an attached and of a detached step without drafts (0 where the proposer
@@ -525,7 +460,7 @@ class SpeculationController:
         # A measured prior may detach on warmup's costs: its acceptance is known, and the first prefill of a
         # short job is most of it (SmolLM2 with its EAGLE-3 head, the README's first command: attached, the
         # drafting steps of the vote cost 1.5x a plain step each).
-        unmeasured = not self._primed[plan.sampled] and self._no_drafting_measured(rows, plan.sampled)
+        unmeasured = not self.estimates.primed[plan.sampled] and self._no_drafting_measured(rows, plan.sampled)
         if pays or not detached_rate or (draft_k and unmeasured):
             return False
         # Exploring costs the whole batch (its steps run attached until the vote detaches again): once per
@@ -539,27 +474,6 @@ class SpeculationController:
             return False
         return True
 
-    def learning(self, sampled: bool) -> bool:
-        """Too few of the method's drafts (``learn_drafts``), or of requests (``learn_requests``), verified yet to
-        trust its acceptance prior."""
-        if self.method_stats[sampled].tried[0] < self.config.learn_drafts:
-            return True
-        # A measured prior stands for many requests' drafts.
-        return not self._primed[sampled] and len(self._learned_from[sampled]) < self.config.learn_requests
-
-    def optimistic_reach(self, sampled: bool) -> list[float]:
-        """[K_max]: P(draft j accepted) with each position's conditional acceptance at the Wilson upper bound
-        (``learn_z``) of the method's verified drafts there (1 where none was verified)."""
-        s, z = self.method_stats[sampled], self.config.learn_z
-        key = (s.version, z)
-        cached = self._optimistic.get(sampled)
-        if cached is not None and cached[0] == key:  # (a plan asks up to twice)
-            return cached[1]
-        reach = list(itertools.accumulate((upper_bound(a, t, z) for a, t in zip(s.accepted, s.tried)),
-                                          operator.mul))
-        self._optimistic[sampled] = (key, reach)
-        return reach
-
     def _learning_k(self, rows: int, n: float, caps: list[int], sampled: bool, scale: float = 1.0, *,
                     ids: list[str] | None = None) -> int:
         """While learning: the K with the most tokens per second if the acceptance were at its optimistic bound
@@ -568,9 +482,9 @@ class SpeculationController:
         fewer than LEARN_DRAFTS_PER_REQUEST drafts verified). Choosing
         K at the bound, not at the estimate, also teaches the deeper positions: at the estimate a new method
         settled on K = 2 and its positions 3-4 stayed at the prior (9 and 2 drafts verified there)."""
-        if not self.learning(sampled):
+        if not self.estimates.learning(sampled):
             return 0
-        reach = self.optimistic_reach(sampled)
+        reach = self.estimates.optimistic_reach(sampled)
         gains = self._gains([reach] * len(caps), caps)
         k, rate = self._best_drafting(rows, n, [g * scale for g in gains], sampled)
         if rate > max(self._plain_rates(rows, n, sampled)):
@@ -578,8 +492,8 @@ class SpeculationController:
         # Learning would end on cost: not before K = 1, the cheapest drafting step, ran in a real step of the
         # bucket (warmup timed it on all-padding rows; ngram at batch 1, T 0.8 ended learning after its first 7
         # sampled drafts, all at K = 4, with K = 1 estimated 1.39x a plain step, while fixed K = 1 ran 1.08x plain).
-        few = len(self._learned_from[sampled]) < self.config.learn_requests and (ids is None or any(
-            (s := self._request_stats.get(rid)) is None or s.tried[0] < LEARN_DRAFTS_PER_REQUEST for rid in ids))
+        few = len(self.estimates.learned_from[sampled]) < self.config.learn_requests and (ids is None or any(
+            (s := self.estimates.requests.get(rid)) is None or s.tried[0] < LEARN_DRAFTS_PER_REQUEST for rid in ids))
         return 1 if k and (few or self._unmeasured(rows, 1, sampled)) else 0
 
     _PLAN_STATE = ("_held_steps", "_detach_votes", "_last_rates", "_held_ids", "_held_plans", "_draft_held",
@@ -618,6 +532,7 @@ class SpeculationController:
             "plain_step_share": float(self.k_histogram[0] / steps) if steps else 0.0,
             "num_detached_steps": self.num_detached_steps,
             "num_detached_prefills": self.num_detached_prefills,
-            "prior_strength": {"greedy": self._strength[False], "sampled": self._strength[True]},
-            "acceptance_prior": {"greedy": self._primed[False], "sampled": self._primed[True]},
+            "prior_strength": {"greedy": self.estimates.strength[False],
+                               "sampled": self.estimates.strength[True]},
+            "acceptance_prior": {"greedy": self.estimates.primed[False], "sampled": self.estimates.primed[True]},
         }
