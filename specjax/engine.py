@@ -219,15 +219,15 @@ class Engine:
         c = self.controller
         if c is None or self._held or self.proposer.host_side or not self.scheduler.slots.synced[slots].any():
             return
-        if int(self._remaining(rows).min()) <= k + 1 + self.k_max:
+        remaining = self._remaining(rows)
+        if int(remaining.min()) <= k + 1 + self.k_max:
             return
         ids, waiting = [r.request.request_id for r in rows], bool(self.scheduler.waiting)
         key = slots.tobytes(), waiting
         self._prepared = key, None, c.plan_state(ids)  # (set first: abort_all undoes a plan interrupted midway)
         limits, can_draft, open_limits = self._row_limits(rows, slots, self.k_max, ready_after=ahead)
-        remaining = None if waiting else self._remaining(rows) - 1  # (this step commits a token a row at least)
-        wanted = c.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits, can_draft, remaining,
-                            open_limits)
+        wanted = c.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits, can_draft,
+                            None if waiting else remaining - 1, open_limits)  # (this step commits a token a row)
         plan = c.decide(bucket_for(len(rows), self.config.row_buckets, "num_seqs"), wanted, can_draft=can_draft)
         self._prepared = key, plan, self._prepared[2]
 
