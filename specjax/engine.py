@@ -185,14 +185,14 @@ class Engine:
             self.controller.count_step(0, detached=True)
             return 0, np.zeros(n, np.int32), None, True
         k = self.k_max if self.controller is not None else self.k_table[min(n, len(self.k_table) - 1)]
-        limits, can_draft, open_limits = self._row_limits(rows, slots, k)
         ids = [r.request.request_id for r in rows]
-        wanted = remaining = None
+        remaining = None
         if self.controller is not None:
             remaining = None if waiting else self._remaining(rows)
-            wanted = self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits,
-                                              can_draft, remaining, open_limits)
+            wanted, can_draft = self._wanted(rows, slots, ids, remaining)
             limits = wanted.caps  # rows not worth drafting are not even looked up
+        else:
+            limits = self._row_limits(rows, slots, k)[0]
         host_drafts = None
         if self.proposer.host_side and k:
             host_drafts, limits = self._lookup(ids, slots, limits, remaining)
@@ -201,6 +201,13 @@ class Engine:
         plan = self.controller.decide(bucket_for(n, self.config.row_buckets, "num_seqs"), wanted,
                                       found=limits if host_drafts is not None else None, can_draft=can_draft)
         return self._use(key, plan, [min(a, b) for a, b in zip(limits, plan.caps.tolist())], host_drafts)
+
+    def _wanted(self, rows, slots: np.ndarray, ids: list[str], remaining, ready_after: int | None = None):
+        """(the controller's :meth:`~SpeculationController.row_caps` for ``rows``, [R] their proposer state is
+        current), from their limits at K_max (:meth:`_row_limits`)."""
+        limits, can_draft, open_limits = self._row_limits(rows, slots, self.k_max, ready_after)
+        return self.controller.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits, can_draft,
+                                        remaining, open_limits), can_draft
 
     def _use(self, key: tuple, plan, caps: list[int], host_drafts) -> tuple[int, np.ndarray, list | None, bool]:
         """Run the controller's ``plan`` (a Decision) in this step with these ``caps`` [R]; :meth:`_plan`'s result."""
@@ -225,9 +232,8 @@ class Engine:
         ids, waiting = [r.request.request_id for r in rows], bool(self.scheduler.waiting)
         key = slots.tobytes(), waiting
         self._prepared = key, None, c.plan_state(ids)  # (set first: abort_all undoes a plan interrupted midway)
-        limits, can_draft, open_limits = self._row_limits(rows, slots, self.k_max, ready_after=ahead)
-        wanted = c.row_caps(ids, [r.request.params.temperature > 0 for r in rows], limits, can_draft,
-                            None if waiting else remaining - 1, open_limits)  # (this step commits a token a row)
+        # (this step commits a token a row at least)
+        wanted, can_draft = self._wanted(rows, slots, ids, None if waiting else remaining - 1, ready_after=ahead)
         plan = c.decide(bucket_for(len(rows), self.config.row_buckets, "num_seqs"), wanted, can_draft=can_draft)
         self._prepared = key, plan, self._prepared[2]
 
