@@ -48,6 +48,10 @@ class EngineConfig:
     """Seeds the noise of requests that have no seed of their own."""
     data_parallel_size: int = 1
     """dp groups a step's rows are split over: every row bucket is a multiple of it."""
+    mixed_step_padding: int | None = 16
+    """Most token slots a step mixing decoding rows with prompt chunks may pad beyond running the chunks and the
+    decoding rows as two steps; past it they take turns, a step of chunks, then one of the decoding rows. About
+    what a step's own cost (launch, weight reads, fetch) is worth in padded slots. None: always mix."""
 
     def __post_init__(self) -> None:
         _check_int("max_model_len", self.max_model_len, minimum=1)
@@ -63,6 +67,8 @@ class EngineConfig:
                     f"num_kv_blocks must hold one max_model_len request ({self.blocks_per_seq} blocks of "
                     f"{self.block_size}), got {self.num_kv_blocks}"
                 )
+        if self.mixed_step_padding is not None:
+            _check_int("mixed_step_padding", self.mixed_step_padding, minimum=0)
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.max_num_seqs)
         for name in ("batch_buckets", "query_buckets"):

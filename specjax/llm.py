@@ -65,6 +65,10 @@ class LLM:
     product's. Speculation stays exact for this model: a verify row is computed
     as the plain step's row. Refused (ValueError) where it cannot apply.
 
+    ``mixed_step_padding`` (:class:`~specjax.config.EngineConfig`): decoding rows and prompt chunks run as
+    separate steps, taking turns, where one step of both would pad more token slots than this beyond the two
+    steps (each decoding row of a mixed step is padded to the chunks' query length); None always mixes them.
+
     ``tensor_parallel_size`` splits target and draft over a ``tp`` mesh axis and
     ``data_parallel_size`` splits each step's rows over a ``dp`` axis (see
     :mod:`specjax.parallel.sharding`); ``tp * dp`` local devices are used.
@@ -88,6 +92,7 @@ class LLM:
         max_prefill_chunk: int = 128,
         batch_buckets: Sequence[int] | None = None,
         query_buckets: Sequence[int] | None = None,
+        mixed_step_padding: int | None = 16,
         warmup: bool = True,
         profile: bool = False,
         compilation_cache: bool | str | os.PathLike | None = None,
@@ -134,6 +139,7 @@ class LLM:
             query_buckets=tuple(query_buckets) if query_buckets is not None else None,
             seed=seed,
             data_parallel_size=data_parallel_size,
+            mixed_step_padding=mixed_step_padding,
         )
         self.tokenizer_path = os.fspath(tokenizer) if tokenizer is not None else self.model_path
         self.tokenizer = load_tokenizer(self.tokenizer_path)

@@ -243,3 +243,59 @@ def test_warmup_for_known_prompts_compiles_only_their_prefill_lengths(llama_dir)
     assert counter.count == 0 and llm.num_compiles == 2
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
         llm.warmup([prompts[0], {"prompt_token_ids": [10**9]}])
+
+
+def _steps(config, arrivals: dict[int, list[tuple[str, int]]], num_steps: int) -> list[list[tuple[str, int]]]:
+    """Each step's rows, (request id, tokens), from a bare scheduler: ``arrivals`` maps a step index to the
+    requests (id, prompt length) added before it; every chunk that reaches its request's end samples token 7."""
+    from specjax.scheduler import Request, Scheduler
+
+    sched, steps = Scheduler(config), []
+    for i in range(num_steps):
+        for rid, n in arrivals.get(i, ()):
+            sched.add(Request(rid, [5] * n, specjax.SamplingParams(max_tokens=50), seed=0, seed_stream=0,
+                              stop_ids=frozenset()))
+        rows = sched.schedule()
+        steps.append([(r.request.request_id, r.num_new) for r in rows])
+        for r in rows:
+            sched.commit(r, [7] if r.samples else [])
+    return steps
+
+
+def test_decoding_rows_and_prompt_chunks_take_turns_where_one_step_of_both_pads_more():
+    from specjax.config import EngineConfig
+
+    kw = dict(max_model_len=128, max_num_seqs=4, block_size=8, max_prefill_chunk=16)  # rows 1, 2, 4; query 1, 4, 16
+    arrivals = {0: [("a", 4), ("b", 4)], 1: [("c", 40)]}  # c's prompt: chunks of 16, 16 and 8 (query bucket 16)
+    # Mixed, a step of a, b and a chunk of c is 4 rows x 16 slots = 64; apart, 1 x 16 + 2 x 1 = 18: 46 more.
+    mixed = [[("a", 4), ("b", 4)]] + [[("a", 1), ("b", 1), ("c", n)] for n in (16, 16, 8)] + [[("a", 1), ("b", 1),
+                                                                                              ("c", 1)]]
+    assert _steps(EngineConfig(**kw, mixed_step_padding=None), arrivals, 5) == mixed
+    assert _steps(EngineConfig(**kw, mixed_step_padding=46), arrivals, 5) == mixed  # (at most 46 more: mixed)
+    # Past it, turns: a chunk of c, then a and b (c's last chunk samples, so after it all three decode at once).
+    turns = [[("a", 4), ("b", 4)], [("c", 16)], [("a", 1), ("b", 1)], [("c", 16)], [("a", 1), ("b", 1)], [("c", 8)],
+             [("a", 1), ("b", 1), ("c", 1)]]
+    assert _steps(EngineConfig(**kw, mixed_step_padding=45), arrivals, 7) == turns
+    assert EngineConfig(**kw).mixed_step_padding == 16  # (the default takes turns here)
+    # With one row bucket of 4, mixing pads nothing (4 x 16 either way, and 4 x 1 more apart): mixed.
+    assert _steps(EngineConfig(**kw, batch_buckets=(4,)), arrivals, 5) == mixed
+    # A chunk turn admits waiting requests with the decoding rows' budget too (17 tokens: without theirs, 15).
+    budget = dict(kw, max_num_batched_tokens=17)
+    got = _steps(EngineConfig(**budget), {0: [("a", 4), ("b", 4)], 1: [("c", 40)]}, 3)
+    assert got[1:] == [[("c", 16)], [("a", 1), ("b", 1)]]
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="mixed_step_padding"):
+            EngineConfig(**kw, mixed_step_padding=bad)
+
+
+def test_outputs_do_not_depend_on_whether_decoding_rows_and_chunks_mix(llama_dir, llm):
+    prompts = _prompts(11, [5, 40, 3, 33])
+    params = [specjax.SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+              specjax.SamplingParams(temperature=0.9, top_p=0.9, max_tokens=14, seed=3, ignore_eos=True),
+              specjax.SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+              specjax.SamplingParams(temperature=1.0, max_tokens=14, seed=4, ignore_eos=True)]
+    turns = llm.generate(prompts, params)
+    mixed_llm = specjax.LLM(llama_dir, warmup=False, mixed_step_padding=None, **ENGINE_KW)
+    mixed = mixed_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in turns] == [o.outputs[0].token_ids for o in mixed]
+    assert llm.get_metrics()["num_steps"] != mixed_llm.get_metrics()["num_steps"]  # (the steps did differ)
