@@ -8,12 +8,15 @@ ignore_eos (so both runs generate the same number of tokens). The same file
 goes through the batch-job path (``specjax.batch.run_batch``: parsing,
 per-line validation, chunks through ``LLM.generate``, fsync'd records, summary)
 once with the shipped target alone and once with the shipped pair
-(draft_model, K = 4), for each --max-num-seqs. Model load + warmup compiles are
+(draft_model, adaptive K <= 4), for each --max-num-seqs. Model load + warmup compiles are
 timed apart from the job. Greedy speculation is lossless, so the two runs'
 records must carry identical token ids. For comparison, the same LLM then runs
 all prompts in one ``LLM.generate`` call (no chunks, no per-line validation, no
 records): the difference is what the job machinery costs, mostly the batch
 draining at the end of each chunk.
+
+``--mixed-step-padding none 16`` repeats every configuration with decoding rows and prompt chunks always in one
+step (``none``, the engine before that option) and with the default (they take turns where mixing pads).
 
 ``--tp 1 2`` repeats every configuration with ``tensor_parallel_size`` 1 and 2
 and checks that tp 2 gives the same tokens as tp 1. On CPU the extra devices
@@ -21,6 +24,7 @@ are host-platform fakes sharing the same cores, so the tp rows test
 correctness, not speed.
 
     python benchmarks/bench_batch.py --out benchmarks/results/batch.json
+    python benchmarks/bench_batch.py --mixed-step-padding none 16 --out benchmarks/results/batch_mixed_steps.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python benchmarks/bench_batch.py --tp 1 2 --max-num-seqs 8 --out benchmarks/results/batch_tp.json
 """
@@ -119,6 +123,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--chunk-size", type=int, default=None, help="default: the job's (8 x max_num_seqs)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor_parallel_size values to run")
+    ap.add_argument("--mixed-step-padding", nargs="+", default=["16"],
+                    help="LLM mixed_step_padding values to run (ints, or 'none': decoding rows and prompt chunks "
+                         "always share a step)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import jax
@@ -147,16 +154,18 @@ def main() -> None:
     }
     tp1_tokens: dict[tuple[str, int], list] = {}
     for tp in args.tp:
-        for seqs in args.max_num_seqs:
+        for seqs, padding in ((s, p) for s in args.max_num_seqs for p in args.mixed_step_padding):
             base = dict(model="builtin:target", max_model_len=args.max_model_len, max_num_seqs=seqs, seed=0,
-                        tensor_parallel_size=tp)
-            configs = [("plain", base), (f"spec draft_model K={STDLIB_SPEC['num_speculative_tokens']}",
-                                         {**base, "speculative_config": dict(STDLIB_SPEC)})]
+                        tensor_parallel_size=tp, mixed_step_padding=None if padding == "none" else int(padding))
+            suffix = f" (mixed_step_padding {padding})" if len(args.mixed_step_padding) > 1 else ""
+            configs = [("plain" + suffix, base),
+                       (f"spec draft_model adaptive K<={STDLIB_SPEC['num_speculative_tokens']}" + suffix,
+                        {**base, "speculative_config": dict(STDLIB_SPEC)})]
             plain = None
             for name, kwargs in configs:
                 logger.info("running %s, max_num_seqs=%d, tp=%d", name, seqs, tp)
-                row = run_one(f"{name.split()[0]}_{seqs}_tp{tp}", kwargs, input_path, tmp, args.chunk_size, prompts,
-                              args.max_tokens)
+                row = run_one(f"{name.split()[0]}_{seqs}_tp{tp}_{padding}", kwargs, input_path, tmp, args.chunk_size,
+                              prompts, args.max_tokens)
                 row.update(config=name, max_num_seqs=seqs, tensor_parallel_size=tp)
                 if plain is None:
                     plain = row

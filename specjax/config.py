@@ -51,7 +51,8 @@ class EngineConfig:
     mixed_step_padding: int | None = 16
     """Most token slots a step mixing decoding rows with prompt chunks may pad beyond running the chunks and the
     decoding rows as two steps; past it they take turns, a step of chunks, then one of the decoding rows. About
-    what a step's own cost (launch, weight reads, fetch) is worth in padded slots. None: always mix."""
+    what a step's own cost (launch, weight reads, fetch) is worth in padded slots: on CPU, the shipped target's
+    step of 8 rows x 1 token took 2.7 ms, each slot of an 8 x 64 step ~0.11 ms. None: always mix."""
 
     def __post_init__(self) -> None:
         _check_int("max_model_len", self.max_model_len, minimum=1)
