@@ -226,8 +226,11 @@ class Scheduler:
         if not chunks or allowed is None:
             return False
         cfg = self.config
+
+        def rows(n: int) -> int:
+            return bucket_for(n, cfg.row_buckets, "num_seqs")
+
         query = bucket_for(max(chunks), cfg.length_buckets, "query_len")
-        rows = lambda n: bucket_for(n, cfg.row_buckets, "num_seqs")  # noqa: E731
         apart = rows(len(chunks)) * query + rows(num_decoding) * bucket_for(1, cfg.length_buckets, "query_len")
         return rows(num_decoding + len(chunks)) * query - apart > allowed
 
