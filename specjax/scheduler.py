@@ -153,13 +153,12 @@ class Scheduler:
         budget and ``max_num_seqs`` allow; decoding rows and prompt chunks take turns where mixing them pads the
         step (:meth:`_mixing_pads`)."""
         budget = self.config.token_budget
-        chunk = self.config.prefill_chunk
         rows: list[ScheduledRow] = []
         # Running requests in admission order; preemption takes from the back.
         for request in list(self.running):
             if request.status is not Status.RUNNING or budget <= 0:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            num_new = self._chunk(request, budget)
             while not self._reserve(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -188,6 +187,11 @@ class Scheduler:
             raise RuntimeError("scheduler made no progress: KV pool too small for a single request")
         return rows
 
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens of ``request`` a step computes with ``budget`` tokens left: the rest of its tokens, at most a
+        prefill chunk."""
+        return min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk, budget)
+
     def _admissible(self, budget: int) -> list[int]:
         """The chunk lengths :meth:`_admit` would give waiting requests with ``budget`` tokens (if the KV pool
         holds them), admitting none."""
@@ -195,7 +199,7 @@ class Scheduler:
         for request in self.waiting:
             if len(self.running) + len(out) >= self.config.max_num_seqs or budget <= 0:
                 break
-            out.append(min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk, budget))
+            out.append(self._chunk(request, budget))
             budget -= out[-1]
         return out
 
@@ -205,7 +209,7 @@ class Scheduler:
         rows = []
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk, budget)
+            num_new = self._chunk(request, budget)
             if not self._reserve(request, num_new):
                 break
             self.waiting.popleft()
