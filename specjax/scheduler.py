@@ -168,8 +168,8 @@ class Scheduler:
                 continue
             rows.append(ScheduledRow(request, request.num_computed_tokens, num_new))
             budget -= num_new
-        decoding = [r for r in rows if r.num_new == 1]
-        if decoding:
+        decoding = [r for r in rows if r.num_new == 1] if self.config.mixed_step_padding is not None else []
+        if decoding:  # (with None, mixing is always allowed: no peek at the waiting requests)
             chunks = [r for r in rows if r.num_new > 1]
             wanted = [r.num_new for r in chunks] + self._admissible(budget + len(decoding))
             if self._mixing_pads(len(decoding), wanted):
@@ -226,8 +226,7 @@ class Scheduler:
         than ``mixed_step_padding``: each decoding row of a mixed step is padded to the longest chunk's bucket
         (shipped target, 28 decoding rows and 4 chunks of 64 tokens: one step of 32 x 64 slots, ~300 ms, where
         a step of 8 x 64 took ~58 ms and one of 32 x 1 ~10 ms)."""
-        allowed = self.config.mixed_step_padding
-        if not chunks or allowed is None:
+        if not chunks:
             return False
         cfg = self.config
 
@@ -236,7 +235,7 @@ class Scheduler:
 
         query = bucket_for(max(chunks), cfg.length_buckets, "query_len")
         apart = rows(len(chunks)) * query + rows(num_decoding) * bucket_for(1, cfg.length_buckets, "query_len")
-        return rows(num_decoding + len(chunks)) * query - apart > allowed
+        return rows(num_decoding + len(chunks)) * query - apart > cfg.mixed_step_padding
 
     def commit(self, row: ScheduledRow, new_token_ids: list[int], *, num_computed: int | None = None) -> list[int]:
         """Advance ``row``'s request and append its new tokens.
