@@ -1,19 +1,19 @@
 """Batch-job throughput (``specjax batch``): plain decoding vs speculative decoding on the shipped pair.
 
-Builds an OpenAI-format JSONL of --num-prompts completion requests from the
-held-out side of the stdlib split (source the shipped pair never trained on;
-see specjax/train/corpus.py), each a window of about --prompt-chars characters
-of code starting at a line boundary, greedy, --max-tokens new tokens with
-ignore_eos (so both runs generate the same number of tokens). The same file
-goes through the batch-job path (``specjax.batch.run_batch``: parsing,
-per-line validation, chunks through ``LLM.generate``, fsync'd records, summary)
-once with the shipped target alone and once with the shipped pair
-(draft_model, adaptive K <= 4), for each --max-num-seqs. Model load + warmup compiles are
-timed apart from the job. Greedy speculation is lossless, so the two runs'
-records must carry identical token ids. For comparison, the same LLM then runs
-all prompts in one ``LLM.generate`` call (no chunks, no per-line validation, no
-records): the difference is what the job machinery costs, mostly the batch
-draining at the end of each chunk.
+Builds an OpenAI-format JSONL of --num-prompts completion requests from the held-out side of the stdlib split
+(source the shipped pair never trained on; see specjax/train/corpus.py), each a window of about --prompt-chars
+characters of code starting at a line boundary, greedy, --max-tokens new tokens with ignore_eos (so both runs
+generate the same number of tokens). The same file goes through the batch-job path (``specjax.batch.run_batch``:
+parsing, per-line validation, chunks through ``LLM.generate``, fsync'd records, summary) once with the shipped
+target alone and once with the shipped pair (draft_model, adaptive K <= 4), for each --max-num-seqs. Model load +
+warmup compiles are timed apart from the job. Greedy speculation is lossless, so the two runs' records must carry
+identical token ids. For comparison, the same LLM then runs all prompts in one ``LLM.generate`` call (no chunks, no
+per-line validation, no records): the difference is what the job machinery costs, mostly the batch draining at the
+end of each chunk.
+
+With ``--rounds N`` both systems are loaded first and each runs the job (and the one call) N times, alternating
+which goes first; rows carry medians, and the speedup is the median of each round's ratio (this host's speed
+drifts ~10% between configurations run one after another).
 
 ``--mixed-step-padding none 16`` repeats every configuration with decoding rows and prompt chunks always in one
 step (``none``, the engine before that option) and with the default (they take turns where mixing pads).
@@ -25,6 +25,7 @@ correctness, not speed.
 
     python benchmarks/bench_batch.py --out benchmarks/results/batch.json
     python benchmarks/bench_batch.py --mixed-step-padding none 16 --out benchmarks/results/batch_mixed_steps.json
+    python benchmarks/bench_batch.py --rounds 5 --out benchmarks/results/batch_rounds.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python benchmarks/bench_batch.py --tp 1 2 --max-num-seqs 8 --out benchmarks/results/batch_tp.json
 """
@@ -32,9 +33,11 @@ correctness, not speed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -79,11 +82,16 @@ def heldout_prompts(n: int, chars: int) -> list[str]:
     return prompts
 
 
-def run_one(name: str, llm_kwargs: dict, input_path: Path, out_dir: Path, chunk_size: int | None,
-            prompts: list[str], max_tokens: int) -> dict:
+def load(llm_kwargs: dict) -> tuple[specjax.LLM, float]:
+    """The LLM and the seconds its load and warmup compiles took."""
     start = time.perf_counter()
     llm = specjax.LLM(**llm_kwargs)
-    load_s = time.perf_counter() - start
+    return llm, time.perf_counter() - start
+
+
+def run_round(name: str, llm: specjax.LLM, input_path: Path, out_dir: Path, chunk_size: int | None,
+              prompts: list[str], max_tokens: int) -> dict:
+    """The job once through ``llm``, then the same requests in one ``LLM.generate`` call."""
     output = out_dir / f"{name}.jsonl"
     summary = run_batch(BatchOptions(input=str(input_path), output=str(output), chunk_size=chunk_size,
                                      progress=False), llm=llm)
@@ -97,8 +105,6 @@ def run_one(name: str, llm_kwargs: dict, input_path: Path, out_dir: Path, chunk_
     direct_tokens = sum(len(o.outputs[0].token_ids) for o in direct)
     assert [o.outputs[0].token_ids for o in direct] == [r["token_ids"] for r in records]
     return {
-        "config": name,
-        "load_and_compile_s": load_s,
         "num_compiles": llm.num_compiles,
         "requests": summary["num_requests"],
         "errors": summary["num_errors"],
@@ -114,6 +120,18 @@ def run_one(name: str, llm_kwargs: dict, input_path: Path, out_dir: Path, chunk_
     }
 
 
+def median_row(rounds: list[dict]) -> dict:
+    """One configuration's rounds as one row: the median of each timing, the last round's counts and tokens."""
+    row = dict(rounds[-1])
+    for key in ("job_s", "tokens_per_s", "requests_per_s", "direct_generate_tokens_per_s"):
+        row[key] = statistics.median(r[key] for r in rounds)
+    row["latency_s"] = {q: statistics.median(r["latency_s"][q] for r in rounds) for q in rounds[-1]["latency_s"]}
+    if len(rounds) > 1:
+        row["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds]
+        row["rounds_direct_generate_tokens_per_s"] = [r["direct_generate_tokens_per_s"] for r in rounds]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -126,6 +144,9 @@ def main() -> None:
     ap.add_argument("--mixed-step-padding", nargs="+", default=["16"],
                     help="LLM mixed_step_padding values to run (ints, or 'none': decoding rows and prompt chunks "
                          "always share a step)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="each configuration's systems loaded side by side, then run this many rounds alternating "
+                         "which goes first; medians (speedups: of each round's pair)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import jax
@@ -161,17 +182,34 @@ def main() -> None:
             configs = [("plain" + suffix, base),
                        (f"spec draft_model adaptive K<={STDLIB_SPEC['num_speculative_tokens']}" + suffix,
                         {**base, "speculative_config": dict(STDLIB_SPEC)})]
-            plain = None
+            loaded = []
             for name, kwargs in configs:
-                logger.info("running %s, max_num_seqs=%d, tp=%d", name, seqs, tp)
-                row = run_one(f"{name.split()[0]}_{seqs}_tp{tp}_{padding}", kwargs, input_path, tmp, args.chunk_size,
-                              prompts, args.max_tokens)
-                row.update(config=name, max_num_seqs=seqs, tensor_parallel_size=tp)
+                logger.info("loading %s, max_num_seqs=%d, tp=%d", name, seqs, tp)
+                loaded.append((name, *load(kwargs)))
+            rounds: dict[str, list[dict]] = {name: [] for name, _, _ in loaded}
+            for r in range(args.rounds):
+                # Alternate which system runs first: the machine's speed drifts within a run.
+                for name, llm, _ in (loaded if r % 2 == 0 else loaded[::-1]):
+                    logger.info("round %d: %s, max_num_seqs=%d, tp=%d", r + 1, name, seqs, tp)
+                    tag = f"{name.split()[0]}_{seqs}_tp{tp}_{padding}_r{r}"
+                    rounds[name].append(run_round(tag, llm, input_path, tmp, args.chunk_size, prompts,
+                                                  args.max_tokens))
+            plain = None
+            for name, _, load_s in loaded:
+                row = median_row(rounds[name])
+                row.update(config=name, max_num_seqs=seqs, tensor_parallel_size=tp, load_and_compile_s=load_s)
                 if plain is None:
                     plain = row
                 else:
-                    row["speedup_vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
-                    row["identical_to_plain"] = row["token_ids"] == plain["token_ids"]
+                    pairs = list(zip(rounds[name], rounds[plain["config"]]))  # (this system's, plain's) per round
+                    ratios = [mine["tokens_per_s"] / base["tokens_per_s"] for mine, base in pairs]
+                    row["speedup_vs_plain"] = statistics.median(ratios)  # paired: the median of each round's ratio
+                    row["identical_to_plain"] = all(mine["token_ids"] == base["token_ids"] for mine, base in pairs)
+                    if args.rounds > 1:
+                        row["rounds_speedup_vs_plain"] = ratios
+                        row["direct_generate_speedup_vs_plain"] = statistics.median(
+                            mine["direct_generate_tokens_per_s"] / base["direct_generate_tokens_per_s"]
+                            for mine, base in pairs)
                 key = (name, seqs)
                 if tp == args.tp[0]:
                     tp1_tokens[key] = row["token_ids"]
@@ -180,6 +218,10 @@ def main() -> None:
                 results["rows"].append({k: v for k, v in row.items() if k != "token_ids"})
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                                   if k not in ("token_ids", "latency_s")}), flush=True)
+            # Free this configuration's executables first: with four LLMs' (~150) in one process, LLVM's
+            # compiler failed to allocate memory for the next one's.
+            del loaded, rounds
+            gc.collect()
     print(table(results))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +233,8 @@ def table(results: dict) -> str:
     c = results["config"]
     lines = [
         f"{c['num_prompts']} held-out stdlib prompts (~{c['prompt_chars']} chars), {c['max_tokens']} new tokens each, "
-        f"greedy, ignore_eos; {results['model']}; {results['date']}, {results['machine']}.",
+        f"greedy, ignore_eos; {results['model']}; {results['date']}, {results['machine']}"
+        + (f"; medians of {c['rounds']} rounds side by side." if c.get("rounds", 1) > 1 else "."),
         "",
         "| config | tp | max_num_seqs | job tokens/s | requests/s | speedup | acceptance rate | mean acceptance length | "
         "latency p50 / p90 s | one generate() call tokens/s | load + compile s | identical to plain |",
