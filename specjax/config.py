@@ -49,10 +49,12 @@ class EngineConfig:
     data_parallel_size: int = 1
     """dp groups a step's rows are split over: every row bucket is a multiple of it."""
     mixed_step_padding: int | None = 16
-    """Most token slots a step mixing decoding rows with prompt chunks may pad beyond running the chunks and the
-    decoding rows as two steps; past it they take turns, a step of chunks, then one of the decoding rows. About
-    what a step's own cost (launch, weight reads, fetch) is worth in padded slots: on CPU, the shipped target's
-    step of 8 rows x 1 token took 2.7 ms, each slot of an 8 x 64 step ~0.11 ms. None: always mix."""
+    """What a step's own cost (launch, weight reads, fetch) is worth in padded token slots: on CPU, the shipped
+    target's step of 8 rows x 1 token took 2.7 ms, each slot of an 8 x 64 step ~0.11 ms. A step mixing decoding
+    rows with prompt chunks may pad at most this many slots beyond running them as two steps; past it they take
+    turns, a step of chunks, then one of the decoding rows. And a step's prompt chunks are cut to the query
+    bucket that costs least per prompt token, a step costing its padded slots (at least this many) plus this
+    many. None: always mix, never cut."""
 
     def __post_init__(self) -> None:
         _check_int("max_model_len", self.max_model_len, minimum=1)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from models.llama import LlamaConfig
 from models.loading import load_blocks, load_model, load_tokenizer, read_generation_eos
+from specjax.backends import step_cost_slots
 from specjax.buckets import enable_persistent_cache
 from specjax.builtin import DEFAULT_SPEC, DEFAULT_TARGET, resolve_model
 from specjax.config import EngineConfig, SamplingParams, SpeculativeConfig
@@ -65,9 +66,12 @@ class LLM:
     product's. Speculation stays exact for this model: a verify row is computed
     as the plain step's row. Refused (ValueError) where it cannot apply.
 
-    ``mixed_step_padding`` (:class:`~specjax.config.EngineConfig`): decoding rows and prompt chunks run as
-    separate steps, taking turns, where one step of both would pad more token slots than this beyond the two
-    steps (each decoding row of a mixed step is padded to the chunks' query length); None always mixes them.
+    ``mixed_step_padding`` (:class:`~specjax.config.EngineConfig`): what one step's own cost is worth in
+    padded token slots. Decoding rows and prompt chunks run as separate steps, taking turns, where one step of
+    both would pad more slots than this beyond the two steps (each decoding row of a mixed step is padded to the
+    chunks' query length); prompt chunks are cut to a shorter query bucket where that costs less per prompt
+    token. None always mixes them and never cuts. ``"auto"``: 16 on CPU (measured), 256 on GPU and TPU (not
+    measured: see :data:`specjax.backends.STEP_COST_SLOTS`).
 
     ``tensor_parallel_size`` splits target and draft over a ``tp`` mesh axis and
     ``data_parallel_size`` splits each step's rows over a ``dp`` axis (see
@@ -92,7 +96,7 @@ class LLM:
         max_prefill_chunk: int = 128,
         batch_buckets: Sequence[int] | None = None,
         query_buckets: Sequence[int] | None = None,
-        mixed_step_padding: int | None = 16,
+        mixed_step_padding: int | str | None = "auto",
         warmup: bool = True,
         profile: bool = False,
         compilation_cache: bool | str | os.PathLike | None = None,
@@ -139,7 +143,7 @@ class LLM:
             query_buckets=tuple(query_buckets) if query_buckets is not None else None,
             seed=seed,
             data_parallel_size=data_parallel_size,
-            mixed_step_padding=mixed_step_padding,
+            mixed_step_padding=step_cost_slots() if mixed_step_padding == "auto" else mixed_step_padding,
         )
         self.tokenizer_path = os.fspath(tokenizer) if tokenizer is not None else self.model_path
         self.tokenizer = load_tokenizer(self.tokenizer_path)

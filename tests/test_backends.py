@@ -52,6 +52,14 @@ def test_gpu_defaults(on, name):
     assert backends.sampler_kernel_platform() == "gpu"
 
 
+def test_step_cost_slots_per_platform(on):
+    # LLM(mixed_step_padding="auto"): measured on CPU, estimated from published chip figures elsewhere.
+    expected = {"cpu": 16, "tpu": 256, "gpu": 256, "cuda": 256, "rocm": 256}
+    for name, slots in expected.items():
+        on(name)
+        assert backends.step_cost_slots() == slots
+
+
 def test_overrides(on, monkeypatch):
     on("tpu")
     monkeypatch.setenv(backends.ATTENTION_ENV, "xla")

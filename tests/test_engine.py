@@ -277,8 +277,11 @@ def test_decoding_rows_and_prompt_chunks_take_turns_where_one_step_of_both_pads_
              [("a", 1), ("b", 1), ("c", 1)]]
     assert _steps(EngineConfig(**kw, mixed_step_padding=45), arrivals, 7) == turns
     assert EngineConfig(**kw).mixed_step_padding == 16  # (the default takes turns here)
-    # With one row bucket of 4, mixing pads nothing (4 x 16 either way, and 4 x 1 more apart): mixed.
-    assert _steps(EngineConfig(**kw, batch_buckets=(4,)), arrivals, 5) == mixed
+    # With one row bucket of 4, mixing pads nothing (4 x 16 either way, and 4 x 1 more apart): mixed. (And c's
+    # last 8 tokens are cut to 4 + 4: a step of 4 x 4 slots costs (16 + 16) / 4 per token, one of 4 x 16 (64 + 16)
+    # / 8; see the next test.)
+    one_bucket = mixed[:3] + [[("a", 1), ("b", 1), ("c", 4)]] * 2
+    assert _steps(EngineConfig(**kw, batch_buckets=(4,)), arrivals, 5) == one_bucket
     # A chunk turn admits waiting requests with the decoding rows' budget too (17 tokens: without theirs, 15).
     budget = dict(kw, max_num_batched_tokens=17)
     got = _steps(EngineConfig(**budget), {0: [("a", 4), ("b", 4)], 1: [("c", 40)]}, 3)
@@ -288,14 +291,51 @@ def test_decoding_rows_and_prompt_chunks_take_turns_where_one_step_of_both_pads_
             EngineConfig(**kw, mixed_step_padding=bad)
 
 
+def test_prompt_chunks_are_cut_to_the_query_bucket_that_costs_least_per_token():
+    from specjax.config import EngineConfig, bucket_for
+
+    kw = dict(max_model_len=256, max_num_seqs=4, block_size=8, max_prefill_chunk=64)  # query buckets 1, 4, 16, 64
+    # One prompt of 20 tokens: in one chunk a step of 64 slots (cost 64 + 16 per step = 80, 4 per token); cut to
+    # 16 it costs 16 + 16 = 32 for 16 tokens (2 per token); the 4 left are the next step's chunk.
+    assert _steps(EngineConfig(**kw), {0: [("a", 20)]}, 3) == [[("a", 16)], [("a", 4)], [("a", 1)]]
+    assert _steps(EngineConfig(**kw, mixed_step_padding=None), {0: [("a", 20)]}, 2) == [[("a", 20)], [("a", 1)]]
+    # 5 tokens: whole, a step costs at least 16 slots: 32 / 5 = 6.4 per token; cut to 4: 32 / 4 = 8. Not cut.
+    assert _steps(EngineConfig(**kw), {0: [("a", 5)]}, 2) == [[("a", 5)], [("a", 1)]]
+    # Prompts of 20, 60 and 10 tokens together: whole, 4 rows x 64 slots (272 / 90 per token); cut to 16, 4 x 16
+    # (80 / 42); cut to 4, 4 x 4 (32 / 12).
+    assert _steps(EngineConfig(**kw), {0: [("a", 20), ("b", 60), ("c", 10)]}, 1) == [[("a", 16), ("b", 16),
+                                                                                   ("c", 10)]]
+    # Many prompts: each computed in full, in fewer padded slots than uncut. (One row bucket: mixing decoding rows
+    # in pads nothing, so None differs only in not cutting.)
+    lengths = [3, 70, 21, 9, 64, 17, 40, 5, 33, 66, 12, 50]
+    arrivals = {0: [(f"r{i}", n) for i, n in enumerate(lengths)]}
+    padded = {}
+    for padding in (16, None):
+        cfg = EngineConfig(**kw, mixed_step_padding=padding, batch_buckets=(4,))
+        steps = _steps(cfg, arrivals, 400)
+        assert steps[-1] == []  # (all finished)
+        computed = {}
+        for step in steps:
+            for rid, n in step:
+                computed[rid] = computed.get(rid, 0) + n
+        assert all(computed[f"r{i}"] == n + 49 for i, n in enumerate(lengths))  # (the prompt, then 49 decoding)
+        chunk_steps = [step for step in steps if any(n > 1 for _, n in step)]
+        padded[padding] = sum(bucket_for(len(step), cfg.row_buckets, "rows") *
+                              bucket_for(max(n for _, n in step), cfg.length_buckets, "query") for step in chunk_steps)
+    assert padded[16] < padded[None]
+
+
 def test_outputs_do_not_depend_on_whether_decoding_rows_and_chunks_mix(llama_dir, llm):
     prompts = _prompts(11, [5, 40, 3, 33])
     params = [specjax.SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
               specjax.SamplingParams(temperature=0.9, top_p=0.9, max_tokens=14, seed=3, ignore_eos=True),
               specjax.SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
               specjax.SamplingParams(temperature=1.0, max_tokens=14, seed=4, ignore_eos=True)]
+    assert llm.engine_config.mixed_step_padding == 16  # ("auto" on CPU)
     turns = llm.generate(prompts, params)
     mixed_llm = specjax.LLM(llama_dir, warmup=False, mixed_step_padding=None, **ENGINE_KW)
     mixed = mixed_llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in turns] == [o.outputs[0].token_ids for o in mixed]
     assert llm.get_metrics()["num_steps"] != mixed_llm.get_metrics()["num_steps"]  # (the steps did differ)
+    with pytest.raises(ValueError, match="mixed_step_padding"):
+        specjax.LLM(llama_dir, warmup=False, mixed_step_padding="fast", **ENGINE_KW)
