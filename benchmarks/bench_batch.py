@@ -218,14 +218,15 @@ def main() -> None:
                 results["rows"].append({k: v for k, v in row.items() if k != "token_ids"})
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                                   if k not in ("token_ids", "latency_s")}), flush=True)
-            # Free this configuration's executables first: with four LLMs' (~150) in one process, LLVM's
-            # compiler failed to allocate memory for the next one's.
+            # Free this configuration's executables before the next one compiles its own. (Compiling the
+            # speculative LLM at max_num_seqs 32 after the 8-row ones crashed twice here: "LLVM compilation error:
+            # Cannot allocate memory", then a segfault; not understood, see benchmarks/README.md.)
             del loaded, rounds
             gc.collect()
+            if args.out:  # (after each configuration: a later one that fails keeps the earlier ones)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 def table(results: dict) -> str:

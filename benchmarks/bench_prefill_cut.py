@@ -1,0 +1,123 @@
+"""Prompt chunks cut to the query bucket that pads least (the scheduler's ``_chunk_cap``) vs never cut, side by side.
+
+Two LLMs of the same configuration in one process, one with the scheduler as it is and one whose scheduler never
+cuts a chunk below ``max_prefill_chunk`` (the engine before the cut; decoding rows and prompt chunks still take
+turns in both), running the same work in alternating order for --rounds rounds:
+
+- ``--load batch``: the batch benchmark's 256 held-out stdlib prompts (20-122 tokens; bench_batch.py), greedy,
+  64 new tokens each with ignore_eos, in one ``generate`` call, for each --max-num-seqs;
+- ``--load single``: one prompt at a time (the first N tokens of a source file, for each --lengths N), one new
+  token: the time to the first token at batch 1.
+
+Greedy outputs must be identical (asserted). Ratios are cut / uncut time per round, then their median.
+
+    python benchmarks/bench_prefill_cut.py --load batch --max-num-seqs 8 32 --out benchmarks/results/prefill_cut_batch.json
+    python benchmarks/bench_prefill_cut.py --load batch --spec --max-num-seqs 8 --out benchmarks/results/prefill_cut_batch_spec.json
+    python benchmarks/bench_prefill_cut.py --load single --out benchmarks/results/prefill_cut_single.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import specjax
+from specjax.builtin import STDLIB_SPEC
+from specjax.scheduler import Scheduler
+
+from bench_batch import heldout_prompts
+
+logger = logging.getLogger("bench_prefill_cut")
+
+
+class UncutScheduler(Scheduler):
+    """The scheduler with every chunk cap at ``max_prefill_chunk``: the engine before chunks were cut."""
+
+    def _chunk_cap(self, budget: int) -> int:
+        return self.config.prefill_chunk
+
+
+def pair(kwargs: dict) -> dict[str, specjax.LLM]:
+    """The cut and uncut LLMs of one configuration."""
+    llms = {"cut": specjax.LLM(**kwargs), "uncut": specjax.LLM(**kwargs)}
+    llms["uncut"].engine.scheduler.__class__ = UncutScheduler
+    return llms
+
+
+def alternate(llms: dict, work, rounds: int) -> tuple[dict[str, list[float]], dict[str, list]]:
+    """``work(llm)`` for each LLM, ``rounds`` times, alternating which goes first: seconds and outputs."""
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    outputs: dict[str, list] = {}
+    for r in range(rounds):
+        for name in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
+            start = time.perf_counter()
+            outputs[name] = work(llms[name])
+            times[name].append(time.perf_counter() - start)
+    assert outputs["cut"] == outputs["uncut"], "greedy outputs differ between cut and uncut chunks"
+    return times, outputs
+
+
+def ratios(times: dict[str, list[float]]) -> list[float]:
+    return [c / u for c, u in zip(times["cut"], times["uncut"])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--load", choices=("batch", "single"), default="batch")
+    ap.add_argument("--spec", action="store_true", help="the shipped pair (draft_model, adaptive) instead of plain")
+    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[10, 20, 40, 70, 100, 200])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()} CPU, 2 cores",
+        "model": "shipped target (7.5M)" + (" + draft_model (adaptive K <= 4)" if args.spec else ", plain"),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "rows": [],
+    }
+    base = dict(model="builtin:target", seed=0,
+                speculative_config=dict(STDLIB_SPEC) if args.spec else None)
+    if args.load == "batch":
+        prompts = heldout_prompts(256, 200)
+        params = specjax.SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        for seqs in args.max_num_seqs:
+            llms = pair(dict(base, max_model_len=256, max_num_seqs=seqs))
+            times, _ = alternate(llms, lambda llm: [o.outputs[0].token_ids for o in
+                                                    llm.generate(prompts, params, use_tqdm=False)], args.rounds)
+            steps = {name: llm.get_metrics()["num_steps"] for name, llm in llms.items()}
+            row = {"max_num_seqs": seqs, "seconds": times, "cut_over_uncut": ratios(times),
+                   "median_cut_over_uncut": statistics.median(ratios(times)), "num_steps_total": steps}
+            results["rows"].append(row)
+            logger.info("max_num_seqs %d: cut / uncut time %s, median %.3f", seqs,
+                        [round(x, 3) for x in row["cut_over_uncut"]], row["median_cut_over_uncut"])
+            del llms
+            gc.collect()
+    else:
+        llms = pair(dict(base, max_model_len=512, max_num_seqs=8))
+        ids = llms["cut"].get_tokenizer()(Path(specjax.__file__).with_name("scheduler.py").read_text())["input_ids"]
+        params = specjax.SamplingParams(temperature=0.0, max_tokens=1)
+        for n in args.lengths:
+            prompt = {"prompt_token_ids": ids[:n]}
+            times, _ = alternate(llms, lambda llm: llm.generate([prompt], params, use_tqdm=False)[0]
+                                 .outputs[0].token_ids, args.rounds)
+            row = {"prompt_tokens": n, "median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+                   "cut_over_uncut": ratios(times), "median_cut_over_uncut": statistics.median(ratios(times))}
+            results["rows"].append(row)
+            logger.info("%d prompt tokens: uncut %.2f ms, cut %.2f ms, cut / uncut %.3f", n, row["median_ms"]["uncut"],
+                        row["median_ms"]["cut"], row["median_cut_over_uncut"])
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
