@@ -89,7 +89,8 @@ class Engine:
         ``syncs``, an attached and a detached executable each) and drafting steps at each K.
 
         ``prompt_lengths``: only the query lengths that prompts of these lengths prefill in when each gets whole
-        chunks (a step that splits them otherwise compiles its bucket on first use)."""
+        chunks, and (where the scheduler may cut chunks) every shorter one (a step that splits them otherwise
+        compiles its bucket on first use)."""
         cfg = self.config
         rows, decode = cfg.row_buckets, self._decode_length
         lengths = cfg.length_buckets
@@ -97,6 +98,8 @@ class Engine:
             chunk = cfg.prefill_chunk
             needed = {decode} | {n for length in prompt_lengths for n in (min(length, chunk), length % chunk) if n}
             used = {bucket_for(n, lengths, "query length") for n in needed}
+            if cfg.mixed_step_padding is not None:  # chunks may be cut to any shorter bucket (Scheduler._chunk_cap)
+                used = {t for t in lengths if t <= max(used)}
             lengths = tuple(t for t in lengths if t in used)
         out = [(r, t, 0) for r in rows for t in lengths]
         out += [(r, decode, k) for r in rows for k in range(1, self.k_max + 1)

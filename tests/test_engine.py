@@ -228,14 +228,19 @@ def test_validate_prompt_is_the_check_generate_applies(llm):
 def test_warmup_for_known_prompts_compiles_only_their_prefill_lengths(llama_dir):
     """``LLM.warmup(prompts)`` (what ``specjax generate`` runs) compiles decoding plus the query lengths these
     prompts prefill in, and generating them then compiles nothing."""
-    llm = specjax.LLM(llama_dir, warmup=False, max_model_len=128, max_num_seqs=1, max_prefill_chunk=16)
-    assert llm.engine_config.length_buckets == (1, 4, 16)
-    # 7 tokens prefill in one step of 7 (bucket 16); 3 in bucket 4; 33 in 16 + 16 + 1 (buckets 16 and 1).
-    assert sorted(t for _, t, _ in llm.engine.buckets([7])) == [1, 16]
-    assert sorted(t for _, t, _ in llm.engine.buckets([3, 33])) == [1, 4, 16]
-    assert sorted(t for _, t, _ in llm.engine.buckets([33])) == [1, 16]
-    assert sorted(t for _, t, _ in llm.engine.buckets(None)) == [1, 4, 16]
-    prompts = _prompts(3, [7])
+    kw = dict(warmup=False, max_model_len=128, max_num_seqs=1, max_prefill_chunk=16)
+    uncut = specjax.LLM(llama_dir, mixed_step_padding=None, **kw)
+    assert uncut.engine_config.length_buckets == (1, 4, 16)
+    # Whole chunks: 7 tokens prefill in one step of 7 (bucket 16); 3 in bucket 4; 33 in 16 + 16 + 1 (16 and 1).
+    assert sorted(t for _, t, _ in uncut.engine.buckets([7])) == [1, 16]
+    assert sorted(t for _, t, _ in uncut.engine.buckets([3, 33])) == [1, 4, 16]
+    assert sorted(t for _, t, _ in uncut.engine.buckets([33])) == [1, 16]
+    assert sorted(t for _, t, _ in uncut.engine.buckets(None)) == [1, 4, 16]
+    # Where chunks may be cut (the default), every shorter bucket too: 3 tokens need 1 and 4, 7 all three.
+    llm = specjax.LLM(llama_dir, **kw)
+    assert sorted(t for _, t, _ in llm.engine.buckets([3])) == [1, 4]
+    assert sorted(t for _, t, _ in llm.engine.buckets([7])) == [1, 4, 16]
+    prompts = _prompts(3, [3])
     llm.warmup(prompts)
     assert llm.num_compiles == 2
     with count_compiles() as counter:
@@ -245,12 +250,14 @@ def test_warmup_for_known_prompts_compiles_only_their_prefill_lengths(llama_dir)
         llm.warmup([prompts[0], {"prompt_token_ids": [10**9]}])
 
 
-def _steps(config, arrivals: dict[int, list[tuple[str, int]]], num_steps: int) -> list[list[tuple[str, int]]]:
-    """Each step's rows, (request id, tokens), from a bare scheduler: ``arrivals`` maps a step index to the
-    requests (id, prompt length) added before it; every chunk that reaches its request's end samples token 7."""
+def _steps(config, arrivals: dict[int, list[tuple[str, int]]], num_steps: int,
+           scheduler=None) -> list[list[tuple[str, int]]]:
+    """Each step's rows, (request id, tokens), from a bare scheduler (``scheduler``: its class): ``arrivals`` maps
+    a step index to the requests (id, prompt length) added before it; every chunk that reaches its request's end
+    samples token 7."""
     from specjax.scheduler import Request, Scheduler
 
-    sched, steps = Scheduler(config), []
+    sched, steps = (scheduler or Scheduler)(config), []
     for i in range(num_steps):
         for rid, n in arrivals.get(i, ()):
             sched.add(Request(rid, [5] * n, specjax.SamplingParams(max_tokens=50), seed=0, seed_stream=0,
@@ -299,20 +306,30 @@ def test_prompt_chunks_are_cut_to_the_query_bucket_that_costs_least_per_token():
     # 16 it costs 16 + 16 = 32 for 16 tokens (2 per token); the 4 left are the next step's chunk.
     assert _steps(EngineConfig(**kw), {0: [("a", 20)]}, 3) == [[("a", 16)], [("a", 4)], [("a", 1)]]
     assert _steps(EngineConfig(**kw, mixed_step_padding=None), {0: [("a", 20)]}, 2) == [[("a", 20)], [("a", 1)]]
-    # 5 tokens: whole, a step costs at least 16 slots: 32 / 5 = 6.4 per token; cut to 4: 32 / 4 = 8. Not cut.
+    # 5 tokens: whole, a step costs at least 16 slots (32 in all); cut, 32 for 4 of them and 32 for the last.
     assert _steps(EngineConfig(**kw), {0: [("a", 5)]}, 2) == [[("a", 5)], [("a", 1)]]
+    # A prompt alone is cut the way that finishes it cheapest, not the next step: with chunks of up to 128, 100
+    # tokens in one step of 128 slots cost 144; 64 of them (80 for 64 tokens, the cheaper step per token), then
+    # 36 (at best 80 more), 160.
+    assert _steps(EngineConfig(**dict(kw, max_prefill_chunk=128)), {0: [("a", 100)]}, 2) == [[("a", 100)], [("a", 1)]]
     # Prompts of 20, 60 and 10 tokens together: whole, 4 rows x 64 slots (272 / 90 per token); cut to 16, 4 x 16
     # (80 / 42); cut to 4, 4 x 4 (32 / 12).
     assert _steps(EngineConfig(**kw), {0: [("a", 20), ("b", 60), ("c", 10)]}, 1) == [[("a", 16), ("b", 16),
                                                                                    ("c", 10)]]
-    # Many prompts: each computed in full, in fewer padded slots than uncut. (One row bucket: mixing decoding rows
-    # in pads nothing, so None differs only in not cutting.)
+    # Many prompts: each computed in full, in fewer padded slots than with every chunk cap at the prefill chunk
+    # (the scheduler before the cut, with the same turns).
+    from specjax.scheduler import Scheduler
+
+    class Uncut(Scheduler):
+        def _chunk_cap(self, budget):
+            return self.config.prefill_chunk
+
     lengths = [3, 70, 21, 9, 64, 17, 40, 5, 33, 66, 12, 50]
     arrivals = {0: [(f"r{i}", n) for i, n in enumerate(lengths)]}
+    cfg = EngineConfig(**kw)
     padded = {}
-    for padding in (16, None):
-        cfg = EngineConfig(**kw, mixed_step_padding=padding, batch_buckets=(4,))
-        steps = _steps(cfg, arrivals, 400)
+    for name, scheduler in (("cut", None), ("uncut", Uncut)):
+        steps = _steps(cfg, arrivals, 400, scheduler)
         assert steps[-1] == []  # (all finished)
         computed = {}
         for step in steps:
@@ -320,9 +337,9 @@ def test_prompt_chunks_are_cut_to_the_query_bucket_that_costs_least_per_token():
                 computed[rid] = computed.get(rid, 0) + n
         assert all(computed[f"r{i}"] == n + 49 for i, n in enumerate(lengths))  # (the prompt, then 49 decoding)
         chunk_steps = [step for step in steps if any(n > 1 for _, n in step)]
-        padded[padding] = sum(bucket_for(len(step), cfg.row_buckets, "rows") *
-                              bucket_for(max(n for _, n in step), cfg.length_buckets, "query") for step in chunk_steps)
-    assert padded[16] < padded[None]
+        padded[name] = sum(bucket_for(len(step), cfg.row_buckets, "rows") *
+                           bucket_for(max(n for _, n in step), cfg.length_buckets, "query") for step in chunk_steps)
+    assert padded["cut"] < padded["uncut"]  # (544 and 800 slots when written)
 
 
 def test_outputs_do_not_depend_on_whether_decoding_rows_and_chunks_mix(llama_dir, llm):
