@@ -218,9 +218,9 @@ def main() -> None:
                 results["rows"].append({k: v for k, v in row.items() if k != "token_ids"})
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                                   if k not in ("token_ids", "latency_s")}), flush=True)
-            # Free this configuration's executables before the next one compiles its own. (Compiling the
-            # speculative LLM at max_num_seqs 32 after the 8-row ones crashed twice here: "LLVM compilation error:
-            # Cannot allocate memory", then a segfault; not understood, see benchmarks/README.md.)
+            # Free this configuration's executables before the next one compiles its own: each holds hundreds
+            # of memory mappings, and a process reaching vm.max_map_count (65530 by default) crashes compiling
+            # ("LLVM compilation error: Cannot allocate memory"; README, "Several LLMs in one process").
             del loaded, rounds
             gc.collect()
             if args.out:  # (after each configuration: a later one that fails keeps the earlier ones)

@@ -103,7 +103,7 @@ def main() -> None:
             gc.collect()
     else:
         llms = pair(dict(base, max_model_len=512, max_num_seqs=8))
-        ids = llms["cut"].get_tokenizer()(Path(specjax.__file__).with_name("scheduler.py").read_text())["input_ids"]
+        ids = llms["cut"].get_tokenizer().encode(Path(specjax.__file__).with_name("scheduler.py").read_text()).ids
         params = specjax.SamplingParams(temperature=0.0, max_tokens=1)
         for n in args.lengths:
             prompt = {"prompt_token_ids": ids[:n]}
