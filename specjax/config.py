@@ -54,7 +54,8 @@ class EngineConfig:
     rows with prompt chunks may pad at most this many slots beyond running them as two steps; past it they take
     turns, a step of chunks, then one of the decoding rows. And a step's prompt chunks are cut to the query
     bucket that costs least per prompt token, a step costing its padded slots (at least this many) plus this
-    many. None: always mix, never cut."""
+    many. None: always mix, never cut. (``LLM``'s default, ``"auto"``, takes the platform's value from
+    :data:`specjax.backends.STEP_COST_SLOTS`.)"""
 
     def __post_init__(self) -> None:
         _check_int("max_model_len", self.max_model_len, minimum=1)
