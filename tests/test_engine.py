@@ -354,5 +354,13 @@ def test_outputs_do_not_depend_on_whether_decoding_rows_and_chunks_mix(llama_dir
     mixed = mixed_llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in turns] == [o.outputs[0].token_ids for o in mixed]
     assert llm.get_metrics()["num_steps"] != mixed_llm.get_metrics()["num_steps"]  # (the steps did differ)
+    # Prompts whose chunks are cut (None never cuts): 16 tokens beside three of 3 run as 4 + 12 (4 rows x 4 slots,
+    # 32 for 13 tokens, against 4 x 16, 80 for 25).
+    cut_prompts = _prompts(12, [16, 3, 3, 3])
+    first = _steps(llm.engine_config, {0: [(str(i), len(p["prompt_token_ids"])) for i, p in enumerate(cut_prompts)]},
+                   2)
+    assert first == [[("0", 4), ("1", 3), ("2", 3), ("3", 3)], [("0", 12)]]
+    cut, whole = llm.generate(cut_prompts, params), mixed_llm.generate(cut_prompts, params)
+    assert [o.outputs[0].token_ids for o in cut] == [o.outputs[0].token_ids for o in whole]
     with pytest.raises(ValueError, match="mixed_step_padding"):
         specjax.LLM(llama_dir, warmup=False, mixed_step_padding="fast", **ENGINE_KW)
