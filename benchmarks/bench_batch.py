@@ -25,7 +25,8 @@ correctness, not speed.
 
     python benchmarks/bench_batch.py --out benchmarks/results/batch.json
     python benchmarks/bench_batch.py --mixed-step-padding none 16 --out benchmarks/results/batch_mixed_steps.json
-    python benchmarks/bench_batch.py --rounds 5 --out benchmarks/results/batch_rounds.json
+    python benchmarks/bench_batch.py --rounds 5 --max-num-seqs 32 --out benchmarks/results/batch_rounds_32.json
+    python benchmarks/bench_batch.py --rounds 5 --max-num-seqs 8 --out benchmarks/results/batch_rounds_8_cut.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python benchmarks/bench_batch.py --tp 1 2 --max-num-seqs 8 --out benchmarks/results/batch_tp.json
 """

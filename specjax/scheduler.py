@@ -109,8 +109,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._decoding_turn = False
         """The decoding rows' turn comes next where they and prompt chunks take turns (:meth:`schedule`)."""
-        self._cap = config.prefill_chunk
-        """This step's most tokens of one prompt chunk (:meth:`_chunk_cap`)."""
         self._lone_best: list[tuple[int, int]] = [(0, config.prefill_chunk)]
         """(cost, first chunk cap) of a prompt of m tokens computed alone, at index m (:meth:`_lone_piece`)."""
 
@@ -159,13 +157,13 @@ class Scheduler:
         budget and ``max_num_seqs`` allow; decoding rows and prompt chunks take turns where mixing them pads the
         step (:meth:`_mixing_pads`)."""
         budget = self.config.token_budget
-        self._cap = self._chunk_cap(budget)
+        cap = self._chunk_cap(budget)  # this step's most tokens of one prompt chunk
         rows: list[ScheduledRow] = []
         # Running requests in admission order; preemption takes from the back.
         for request in list(self.running):
             if request.status is not Status.RUNNING or budget <= 0:
                 continue
-            num_new = self._chunk(request, budget)
+            num_new = self._chunk(request, budget, cap)
             while not self._reserve(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -178,26 +176,27 @@ class Scheduler:
         decoding = [r for r in rows if r.num_new == 1] if self.config.mixed_step_padding is not None else []
         if decoding:  # (with None, mixing is always allowed: no peek at the waiting requests)
             chunks = [r for r in rows if r.num_new > 1]
-            wanted = [r.num_new for r in chunks] + self._admissible(budget + len(decoding))
+            wanted = [r.num_new for r in chunks] + self._admissible(budget + len(decoding), cap)
             if self._mixing_pads(len(decoding), wanted):
                 if self._decoding_turn:
                     self._decoding_turn = False
                     return decoding
-                chunks += self._admit(budget + len(decoding))  # (the decoding rows' tokens wait for their turn)
+                chunks += self._admit(budget + len(decoding), cap)  # (the decoding rows' tokens wait for their turn)
                 if chunks:
                     self._decoding_turn = True
                     return chunks
                 return decoding
         self._decoding_turn = False
-        rows += self._admit(budget)
+        rows += self._admit(budget, cap)
         if not rows and self.has_unfinished:
             raise RuntimeError("scheduler made no progress: KV pool too small for a single request")
         return rows
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        """Tokens of ``request`` a step computes with ``budget`` tokens left: the rest of its tokens, at most this
+    @staticmethod
+    def _chunk(request: Request, budget: int, cap: int) -> int:
+        """Tokens of ``request`` a step computes with ``budget`` tokens left: the rest of its tokens, at most the
         step's chunk cap."""
-        return min(request.num_tokens - request.num_computed_tokens, self._cap, budget)
+        return min(request.num_tokens - request.num_computed_tokens, cap, budget)
 
     def _chunk_cap(self, budget: int) -> int:
         """The query bucket this step's prompt chunks are cut to: the one whose step costs the least per prompt
@@ -228,15 +227,15 @@ class Scheduler:
 
     def _chunks_at(self, cap: int, budget: int) -> list[int]:
         """The prompt chunks a step with this chunk cap would compute (running requests', then admitted ones')."""
-        self._cap, chunks = cap, []
+        chunks = []
         for request in self.running:
             if budget <= 0:
                 break
-            n = self._chunk(request, budget)
+            n = self._chunk(request, budget, cap)
             budget -= n
             if n > 1:
                 chunks.append(n)
-        return chunks + self._admissible(budget)
+        return chunks + self._admissible(budget, cap)
 
     @functools.cached_property
     def _caps(self) -> list[int]:
@@ -269,24 +268,24 @@ class Scheduler:
         """The rows bucket of a step of ``n`` rows."""
         return bucket_for(n, self.config.row_buckets, "num_seqs")
 
-    def _admissible(self, budget: int) -> list[int]:
-        """The chunk lengths :meth:`_admit` would give waiting requests with ``budget`` tokens (if the KV pool
-        holds them), admitting none."""
+    def _admissible(self, budget: int, cap: int) -> list[int]:
+        """The chunk lengths (at most ``cap``) :meth:`_admit` would give waiting requests with ``budget`` tokens
+        (if the KV pool holds them), admitting none."""
         out = []
         for request in self.waiting:
             if len(self.running) + len(out) >= self.config.max_num_seqs or budget <= 0:
                 break
-            out.append(self._chunk(request, budget))
+            out.append(self._chunk(request, budget, cap))
             budget -= out[-1]
         return out
 
-    def _admit(self, budget: int) -> list[ScheduledRow]:
+    def _admit(self, budget: int, cap: int) -> list[ScheduledRow]:
         """Admit waiting requests in order while ``budget`` tokens, ``max_num_seqs`` and the KV pool allow; their
         first chunks."""
         rows = []
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            num_new = self._chunk(request, budget)
+            num_new = self._chunk(request, budget, cap)
             if not self._reserve(request, num_new):
                 break
             self.waiting.popleft()
