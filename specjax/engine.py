@@ -77,6 +77,7 @@ class Engine:
         self._last_kind: tuple | None = None  # (bucket, detached) of the last step (cold steps: CostModel)
         self._last_done: float | None = None  # perf_counter when the last step's measured part ended (CostModel)
         self._unaccounted: list[tuple] = []  # decoding steps' timings not yet given to the cost model (_account)
+        self._drafting = spec is not None  # the last decoding step verified drafts (Scheduler.schedule)
 
     # ------------------------------------------------------------------ buckets
 
@@ -375,7 +376,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
         start_time = time.perf_counter()
-        rows = self.scheduler.schedule()
+        rows = self.scheduler.schedule(drafting=self._drafting)
         n = len(rows)
         slots = np.asarray([r.request.slot for r in rows], np.int64)
         starts = np.asarray([r.start for r in rows], np.int64)
@@ -388,6 +389,7 @@ class Engine:
         plan_start = time.perf_counter()
         if decoding and self.spec_stats is not None:
             k, num_drafts, host_drafts, detached = self._plan(rows, slots)
+            self._drafting = k > 0
         else:
             self._held = 0
             k, num_drafts, host_drafts, detached = 0, np.zeros(n, np.int32), None, self._prefill_detached(rows)

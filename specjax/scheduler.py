@@ -152,10 +152,12 @@ class Scheduler:
             self.slots.sync_blocks(request.slot, table)
         return True
 
-    def schedule(self) -> list[ScheduledRow]:
+    def schedule(self, *, drafting: bool = False) -> list[ScheduledRow]:
         """This step's rows: running requests in admission order, then waiting ones admitted while the token
         budget and ``max_num_seqs`` allow; decoding rows and prompt chunks take turns where mixing them pads the
-        step (:meth:`_mixing_pads`)."""
+        step (:meth:`_mixing_pads`), or where the decoding rows are ``drafting``: a step with a prompt chunk
+        verifies no drafts, so mixed in, each decoding row would gain one token where a step of its own gains
+        its accepted drafts too (``mixed_step_padding`` None: always mix)."""
         budget = self.config.token_budget
         cap = self._chunk_cap(budget)  # this step's most tokens of one prompt chunk
         rows: list[ScheduledRow] = []
@@ -177,7 +179,7 @@ class Scheduler:
         if decoding:  # (with None, mixing is always allowed: no peek at the waiting requests)
             chunks = [r for r in rows if r.num_new > 1]
             wanted = [r.num_new for r in chunks] + self._admissible(budget + len(decoding), cap)
-            if self._mixing_pads(len(decoding), wanted):
+            if wanted and (drafting or self._mixing_pads(len(decoding), wanted)):
                 if self._decoding_turn:
                     self._decoding_turn = False
                     return decoding
@@ -302,8 +304,6 @@ class Scheduler:
         than ``mixed_step_padding``: each decoding row of a mixed step is padded to the longest chunk's bucket
         (shipped target, 28 decoding rows and 4 chunks of 64 tokens: one step of 32 x 64 slots, ~300 ms, where
         a step of 8 x 64 took ~58 ms and one of 32 x 1 ~10 ms)."""
-        if not chunks:
-            return False
         cfg = self.config
         rows = self._rows
         query = bucket_for(max(chunks), cfg.length_buckets, "query_len")

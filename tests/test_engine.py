@@ -251,10 +251,10 @@ def test_warmup_for_known_prompts_compiles_only_their_prefill_lengths(llama_dir)
 
 
 def _steps(config, arrivals: dict[int, list[tuple[str, int]]], num_steps: int,
-           scheduler=None) -> list[list[tuple[str, int]]]:
+           scheduler=None, drafting: bool = False) -> list[list[tuple[str, int]]]:
     """Each step's rows, (request id, tokens), from a bare scheduler (``scheduler``: its class): ``arrivals`` maps
     a step index to the requests (id, prompt length) added before it; every chunk that reaches its request's end
-    samples token 7."""
+    samples token 7 (``drafting``: as the decoding rows of a speculative engine that verifies drafts)."""
     from specjax.scheduler import Request, Scheduler
 
     sched, steps = (scheduler or Scheduler)(config), []
@@ -262,7 +262,7 @@ def _steps(config, arrivals: dict[int, list[tuple[str, int]]], num_steps: int,
         for rid, n in arrivals.get(i, ()):
             sched.add(Request(rid, [5] * n, specjax.SamplingParams(max_tokens=50), seed=0, seed_stream=0,
                               stop_ids=frozenset()))
-        rows = sched.schedule()
+        rows = sched.schedule(drafting=drafting)
         steps.append([(r.request.request_id, r.num_new) for r in rows])
         for r in rows:
             sched.commit(r, [7] if r.samples else [])
@@ -284,6 +284,10 @@ def test_decoding_rows_and_prompt_chunks_take_turns_where_one_step_of_both_pads_
              [("a", 1), ("b", 1), ("c", 1)]]
     assert _steps(EngineConfig(**kw, mixed_step_padding=45), arrivals, 7) == turns
     assert EngineConfig(**kw).mixed_step_padding == 16  # (the default takes turns here)
+    # Decoding rows that would verify drafts take turns at any padding (a step with a prompt chunk verifies none),
+    # except with None (always mix).
+    assert _steps(EngineConfig(**kw, mixed_step_padding=46), arrivals, 7, drafting=True) == turns
+    assert _steps(EngineConfig(**kw, mixed_step_padding=None), arrivals, 5, drafting=True) == mixed
     # With one row bucket of 4, mixing pads nothing (4 x 16 either way, and 4 x 1 more apart): mixed. (And c's
     # last 8 tokens are cut to 4 + 4: a step of 4 x 4 slots costs (16 + 16) / 4 per token, one of 4 x 16 (64 + 16)
     # / 8; see the next test.)

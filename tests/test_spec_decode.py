@@ -142,6 +142,37 @@ def test_self_drafting_accepts_everything_greedy(target_dir, plain, k):
     assert full[0] == m["num_drafts"]
 
 
+def test_drafting_rows_never_share_a_step_with_prompt_chunks(target_dir, plain):
+    """A step with a prompt chunk verifies no drafts: decoding rows that draft take turns with prompt chunks,
+    where a plain engine mixes them (one rows bucket, so mixing pads nothing)."""
+    prompts = _prompts(5, [4, 9, 3, 12, 2, 7, 30, 5])  # 8 requests for 4 seats: prompts arrive while rows decode
+    params = specjax.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(KW, batch_buckets=(4,))
+    steps = {}
+    for name, spec in (("plain", None), ("spec", {"model": str(target_dir), "num_speculative_tokens": 2,
+                                                  "adaptive": False})):
+        llm = specjax.LLM(target_dir, speculative_config=spec, warmup=False, **kw)
+        schedule, steps[name] = llm.engine.scheduler.schedule, []
+
+        def record(*, drafting, schedule=schedule, out=steps[name]):
+            rows = schedule(drafting=drafting)
+            out.append([r.num_new for r in rows])
+            return rows
+
+        llm.engine.scheduler.schedule = record
+        assert _ids(llm.generate(prompts, params)) == _ids(plain.generate(prompts, params))
+        if spec is not None:
+            assert llm.get_metrics()["acceptance_rate"] == 1.0  # (self-drafting: every decoding step drafts)
+
+    def mixes(step):
+        return 1 in step and max(step) > 1
+
+    assert any(mixes(step) for step in steps["plain"])
+    assert not any(mixes(step) for step in steps["spec"])
+    chunk_turns = [step for step in steps["spec"] if max(step) > 1]
+    assert len(chunk_turns) >= 4  # (the later prompts' chunks ran in steps of their own)
+
+
 def test_self_drafting_probabilistic_at_temperature_one(target_dir):
     k = 3
     llm = specjax.LLM(target_dir, speculative_config={
