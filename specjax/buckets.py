@@ -69,6 +69,42 @@ class CompiledBuckets:
                     on_done()
 
 
+MAPS_PATH = "/proc/self/maps"
+MAP_LIMIT_PATH = "/proc/sys/vm/max_map_count"
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(this process's memory mappings, the kernel's limit on them, ``vm.max_map_count``); None where either is
+    unreadable (not Linux).
+
+    XLA:CPU keeps each executable's JIT code in mappings of its own, a few hundred per executable (the shipped
+    pair's 56 at max_num_seqs 8: 443 each), and Linux's default limit is 65530: a process holding several LLMs
+    reached it while compiling and died ("LLVM compilation error: Cannot allocate memory", then a segfault)."""
+    try:
+        with open(MAPS_PATH, "rb") as f:
+            used = sum(1 for _ in f)
+        with open(MAP_LIMIT_PATH) as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return used, limit
+
+
+def maps_warning(before: tuple[int, int] | None, after: tuple[int, int] | None) -> str | None:
+    """A warning where compiling as much again as between ``before`` and ``after`` (:func:`memory_maps`), e.g.
+    another LLM like the one just compiled, would pass the limit; else None."""
+    if before is None or after is None:
+        return None
+    used, limit = after
+    added = used - before[0]
+    if added <= 0 or used + added <= limit:
+        return None
+    return (f"this process holds {used} memory mappings of vm.max_map_count={limit}, {added} of them from the "
+            "executables just compiled: compiling as many again (another LLM like this one) would fail in XLA "
+            "('LLVM compilation error: Cannot allocate memory', then a crash). Hold fewer LLMs in one process, "
+            "or raise the limit: sysctl -w vm.max_map_count=262144")
+
+
 CACHE_ENV = "SPECJAX_COMPILATION_CACHE"
 
 

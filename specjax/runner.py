@@ -8,6 +8,7 @@ compiled executable per bucket (rows, query length, K); the host loop that drive
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 
 from models.llama import LlamaConfig, is_cpu_layout
-from specjax.buckets import CompiledBuckets
+from specjax.buckets import CompiledBuckets, maps_warning, memory_maps
 from specjax.config import EngineConfig, SpeculativeConfig
 from specjax.kv_cache import KVCache
 from specjax.parallel.sharding import ShardingPlan
@@ -24,6 +25,8 @@ from specjax.sample.rejection import conditional_acceptance_rates, default_use_k
 from specjax.spec_decode.proposer import Proposer
 from specjax.step import DecodeState, PackedBatch, StepBatch, StepSpec, decode_step, host_buffers, pack, \
     propose_phase, sample_phase, update_phase, verify_phase
+
+logger = logging.getLogger(__name__)
 
 Bucket = tuple[int, int, int]  # (rows, catch-up length, K)
 
@@ -238,11 +241,15 @@ class StepRunner:
             bar = tqdm(total=total, desc="specjax: compiling steps", unit="exe", leave=False)
         tick = bar.update if bar is not None else None
         workers = os.cpu_count() or 1
+        maps = memory_maps()
         try:
             if not self.profile:
                 self.executables.compile_all(buckets, workers=workers, on_done=tick)
                 if detached:
                     self.detached_executables.compile_all(detached, workers=workers, on_done=tick)
+                warning = maps_warning(maps, memory_maps())
+                if warning:
+                    logger.warning(warning)
             for bucket in buckets:
                 for attached in (True, False)[: 1 + (bucket in detached)]:
                     batch = self.host_batch(bucket)

@@ -225,6 +225,25 @@ def test_validate_prompt_is_the_check_generate_applies(llm):
         llm.validate_prompt({"prompt_token_ids": list(range(4, 70))})
 
 
+def test_warmup_warns_where_another_llm_like_it_would_pass_the_memory_map_limit(llama_dir, monkeypatch, caplog):
+    import logging
+
+    from specjax import buckets, runner
+
+    assert buckets.maps_warning((1000, 65530), (1400, 65530)) is None  # (400 more would fit)
+    assert buckets.maps_warning((40000, 65530), (60000, 65530)) is not None  # (20000 more would not)
+    assert buckets.maps_warning((40000, 65530), (50000, 65530)) is None  # (10000 more fit: 60000)
+    assert buckets.maps_warning(None, (60000, 65530)) is None  # (unreadable: not Linux)
+    used, limit = buckets.memory_maps()  # (this machine is Linux)
+    assert 0 < used < limit
+    llm = specjax.LLM(llama_dir, warmup=False, **ENGINE_KW)
+    readings = iter([(30000, 65530), (48000, 65530)])  # (the warmup's compiles took 18000 mappings)
+    monkeypatch.setattr(runner, "memory_maps", lambda: next(readings))
+    with caplog.at_level(logging.WARNING, logger="specjax.runner"):
+        llm.warmup([{"prompt_token_ids": [5] * 5}])
+    assert any("vm.max_map_count=65530" in r.getMessage() and "18000" in r.getMessage() for r in caplog.records)
+
+
 def test_warmup_for_known_prompts_compiles_only_their_prefill_lengths(llama_dir):
     """``LLM.warmup(prompts)`` (what ``specjax generate`` runs) compiles decoding plus the query lengths these
     prompts prefill in, and generating them then compiles nothing."""
