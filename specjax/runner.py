@@ -241,15 +241,13 @@ class StepRunner:
             bar = tqdm(total=total, desc="specjax: compiling steps", unit="exe", leave=False)
         tick = bar.update if bar is not None else None
         workers = os.cpu_count() or 1
-        maps = memory_maps()
+        maps, warning = memory_maps(), None
         try:
             if not self.profile:
                 self.executables.compile_all(buckets, workers=workers, on_done=tick)
                 if detached:
                     self.detached_executables.compile_all(detached, workers=workers, on_done=tick)
                 warning = maps_warning(maps, memory_maps())
-                if warning:
-                    logger.warning(warning)
             for bucket in buckets:
                 for attached in (True, False)[: 1 + (bucket in detached)]:
                     batch = self.host_batch(bucket)
@@ -260,6 +258,8 @@ class StepRunner:
         finally:
             if bar is not None:
                 bar.close()
+        if warning:  # (after the progress bar, which would carry it on its line)
+            logger.warning(warning)
 
     def time_step(self, bucket: Bucket, detached: bool, sampled: bool = False, repeats: int = 3,
                   draft_ahead: int = 0) -> float:
