@@ -52,7 +52,8 @@ class EngineConfig:
     """What a step's own cost (launch, weight reads, fetch) is worth in padded token slots: on CPU, the shipped
     target's step of 8 rows x 1 token took 2.7 ms, each slot of an 8 x 64 step ~0.11 ms. A step mixing decoding
     rows with prompt chunks may pad at most this many slots beyond running them as two steps; past it they take
-    turns, a step of chunks, then one of the decoding rows. And a step's prompt chunks are cut to the query
+    turns, a step of chunks, then one of the decoding rows (as they do whenever the decoding rows draft: a
+    step with a prompt chunk verifies no drafts). And a step's prompt chunks are cut to the query
     bucket that costs least per prompt token, a step costing its padded slots (at least this many) plus this
     many. None: always mix, never cut. (``LLM``'s default, ``"auto"``, takes the platform's value from
     :data:`specjax.backends.STEP_COST_SLOTS`.)"""

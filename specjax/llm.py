@@ -69,8 +69,9 @@ class LLM:
     ``mixed_step_padding`` (:class:`~specjax.config.EngineConfig`): what one step's own cost is worth in
     padded token slots. Decoding rows and prompt chunks run as separate steps, taking turns, where one step of
     both would pad more slots than this beyond the two steps (each decoding row of a mixed step is padded to the
-    chunks' query length); prompt chunks are cut to a shorter query bucket where that costs less per prompt
-    token. None always mixes them and never cuts. ``"auto"``: 16 on CPU (measured), 256 on GPU and TPU (not
+    chunks' query length), and always while the decoding rows draft (a step with a prompt chunk verifies no
+    drafts); prompt chunks are cut to a shorter query bucket where that costs less per prompt token. None always
+    mixes them and never cuts. ``"auto"``: 16 on CPU (measured), 256 on GPU and TPU (not
     measured: see :data:`specjax.backends.STEP_COST_SLOTS`).
 
     ``tensor_parallel_size`` splits target and draft over a ``tp`` mesh axis and

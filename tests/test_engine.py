@@ -225,7 +225,7 @@ def test_validate_prompt_is_the_check_generate_applies(llm):
         llm.validate_prompt({"prompt_token_ids": list(range(4, 70))})
 
 
-def test_warmup_warns_where_another_llm_like_it_would_pass_the_memory_map_limit(llama_dir, monkeypatch, caplog):
+def test_warmup_warns_where_another_llm_like_it_would_pass_the_memory_map_limit(llm, monkeypatch, caplog):
     import logging
 
     from specjax import buckets, runner
@@ -236,7 +236,6 @@ def test_warmup_warns_where_another_llm_like_it_would_pass_the_memory_map_limit(
     assert buckets.maps_warning(None, (60000, 65530)) is None  # (unreadable: not Linux)
     used, limit = buckets.memory_maps()  # (this machine is Linux)
     assert 0 < used < limit
-    llm = specjax.LLM(llama_dir, warmup=False, **ENGINE_KW)
     readings = iter([(30000, 65530), (48000, 65530)])  # (the warmup's compiles took 18000 mappings)
     monkeypatch.setattr(runner, "memory_maps", lambda: next(readings))
     with caplog.at_level(logging.WARNING, logger="specjax.runner"):
