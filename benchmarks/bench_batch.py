@@ -15,6 +15,9 @@ With ``--rounds N`` both systems are loaded first and each runs the job (and the
 which goes first; rows carry medians, and the speedup is the median of each round's ratio (this host's speed
 drifts ~10% between configurations run one after another).
 
+``--control`` adds a second plain LLM, loaded and run like the others: its "speedup" over plain is the noise
+between two identical systems in that run (four identical plain LLMs at 8 rows differed by up to ~8%).
+
 ``--mixed-step-padding none 16`` repeats every configuration with decoding rows and prompt chunks always in one
 step (``none``, the engine before that option) and with the default (they take turns where mixing pads).
 
@@ -27,6 +30,9 @@ correctness, not speed.
     python benchmarks/bench_batch.py --mixed-step-padding none 16 --out benchmarks/results/batch_mixed_steps.json
     python benchmarks/bench_batch.py --rounds 5 --max-num-seqs 32 --out benchmarks/results/batch_rounds_32.json
     python benchmarks/bench_batch.py --rounds 5 --max-num-seqs 8 --out benchmarks/results/batch_rounds_8_cut.json
+    python benchmarks/bench_batch.py --rounds 5 --max-num-seqs 8 --out benchmarks/results/batch_rounds_8_turns.json
+    python benchmarks/bench_batch.py --rounds 5 --max-num-seqs 32 --out benchmarks/results/batch_rounds_32_turns.json
+    python benchmarks/bench_batch.py --rounds 7 --control --max-num-seqs 8 --out benchmarks/results/batch_rounds_8_control.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python benchmarks/bench_batch.py --tp 1 2 --max-num-seqs 8 --out benchmarks/results/batch_tp.json
 """
@@ -148,6 +154,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="each configuration's systems loaded side by side, then run this many rounds alternating "
                          "which goes first; medians (speedups: of each round's pair)")
+    ap.add_argument("--control", action="store_true",
+                    help="also a second plain LLM run like the others: its speedup vs plain is the run's noise")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import jax
@@ -183,6 +191,8 @@ def main() -> None:
             configs = [("plain" + suffix, base),
                        (f"spec draft_model adaptive K<={STDLIB_SPEC['num_speculative_tokens']}" + suffix,
                         {**base, "speculative_config": dict(STDLIB_SPEC)})]
+            if args.control:
+                configs.append(("plain control" + suffix, base))
             loaded = []
             for name, kwargs in configs:
                 logger.info("loading %s, max_num_seqs=%d, tp=%d", name, seqs, tp)
@@ -192,7 +202,7 @@ def main() -> None:
                 # Alternate which system runs first: the machine's speed drifts within a run.
                 for name, llm, _ in (loaded if r % 2 == 0 else loaded[::-1]):
                     logger.info("round %d: %s, max_num_seqs=%d, tp=%d", r + 1, name, seqs, tp)
-                    tag = f"{name.split()[0]}_{seqs}_tp{tp}_{padding}_r{r}"
+                    tag = f"{'_'.join(name.split()[:2])}_{seqs}_tp{tp}_{padding}_r{r}"
                     rounds[name].append(run_round(tag, llm, input_path, tmp, args.chunk_size, prompts,
                                                   args.max_tokens))
             plain = None

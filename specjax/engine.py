@@ -77,7 +77,8 @@ class Engine:
         self._last_kind: tuple | None = None  # (bucket, detached) of the last step (cold steps: CostModel)
         self._last_done: float | None = None  # perf_counter when the last step's measured part ended (CostModel)
         self._unaccounted: list[tuple] = []  # decoding steps' timings not yet given to the cost model (_account)
-        self._drafting = spec is not None  # the last decoding step verified drafts (Scheduler.schedule)
+        self._drafting = spec is not None  # the last decoding step verified drafts (before one: speculation is
+        # on); its rows then take turns with prompt chunks (Scheduler.schedule)
 
     # ------------------------------------------------------------------ buckets
 
