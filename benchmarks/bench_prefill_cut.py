@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if not args.spec and (args.compare == "turns" or args.fixed_k is not None):
+        ap.error("--compare turns and --fixed-k need --spec (without drafts the two schedulers run the same steps)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
