@@ -15,7 +15,9 @@ freed after them; one untimed run
 per system and load, then ``--reps`` rounds (``--batch1-reps`` at batch 1). Reported: tokens/s (median),
 speed-up over plain (the median over rounds of each round's ratio), and for adaptive its chosen-K histogram and
 shares of drafting and of detached steps; with the control, also the adaptive system against both plain LLMs
-(the median over rounds of the round's mean of their two times over its own). Greedy outputs are checked
+(the median over rounds of the round's mean of their two times over its own). Each median over rounds comes with
+a 95% confidence interval (:func:`median_ci`: distribution-free, from the rounds' order statistics), and a load
+counts as slower than 0.97x plain only where the whole interval lies below it. Greedy outputs are checked
 equal to plain decoding's.
 
     python benchmarks/bench_adaptive.py --out benchmarks/results/adaptive.json
@@ -48,6 +50,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -237,8 +240,9 @@ def main() -> None:
                 for entry in row["systems"].values():
                     # Each round's ratio to plain decoding in the same round, median over rounds: rounds are
                     # seconds apart, and the machine's speed moves more between rounds than within one.
-                    entry["speedup"] = statistics.median(
-                        p / t for p, t in zip(row["systems"]["plain"]["times"], entry["times"]))
+                    ratios = [p / t for p, t in zip(row["systems"]["plain"]["times"], entry["times"])]
+                    entry["speedup"] = statistics.median(ratios)
+                    entry["speedup_ci"] = median_ci(ratios)
                 for name, entry in row["systems"].items():
                     if name not in ("plain", "control") and "control" in row["systems"]:
                         entry["speedup_vs_both"] = speedup_vs_both(row["systems"], name)
@@ -246,6 +250,9 @@ def main() -> None:
                 best = max(static, key=static.get)
                 row["best_static"] = best
                 row["adaptive_vs_best_static"] = row["systems"]["adaptive"]["speedup"] / static[best]
+                # The same paired by round (the best static K's time over adaptive's in each round).
+                row["adaptive_vs_best_static_ci"] = median_ci(
+                    [b / a for b, a in zip(row["systems"][best]["times"], row["systems"]["adaptive"]["times"])])
                 row["adaptive_k_histogram_total"] = llms["adaptive"].get_metrics().get("k_histogram")
                 row["adaptive_controller"] = controller_state(llms["adaptive"], batch, temperature > 0)
                 logger.info("%s batch %d T=%.1f: adaptive %.2fx, best static %s %.2fx", method, batch, temperature,
@@ -261,37 +268,62 @@ def main() -> None:
     print(tables(out))
 
 
-def speedup_vs_both(systems: dict, name: str) -> float:
+def median_ci(values: list[float], conf: float = 0.95) -> tuple[float, float]:
+    """A confidence interval for the median of ``values`` that assumes nothing of their distribution: the
+    median lies between the k-th smallest and the k-th largest value with probability at least
+    1 - 2 P(Binomial(n, 1/2) <= k - 1); k is the largest for which that reaches ``conf``. With too few values
+    for any k (n < 6 at 95%) the interval is their whole range, which then covers less than ``conf``."""
+    x = sorted(values)
+    n, k = len(x), 1
+    below = lambda j: sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n  # P(Binomial(n, 1/2) <= j)
+    while k < n // 2 and 1 - 2 * below(k) >= conf:
+        k += 1
+    return x[k - 1], x[n - k]
+
+
+def speedup_vs_both(systems: dict, name: str, ci: bool = False):
     """System ``name``'s speed-up over both plain LLMs: the median over rounds of the mean of plain's and the
-    control's times over its own (half the reference's noise)."""
+    control's times over its own (half the reference's noise); with ``ci``, (median, its 95% interval)."""
     both = [(p + c) / 2 for p, c in zip(systems["plain"]["times"], systems["control"]["times"])]
-    return statistics.median(b / t for b, t in zip(both, systems[name]["times"]))
+    ratios = [b / t for b, t in zip(both, systems[name]["times"])]
+    return (statistics.median(ratios), median_ci(ratios)) if ci else statistics.median(ratios)
 
 
-def with_quartiles(systems: dict, name: str) -> str:
-    """System ``name``'s speed-up over plain (the median of its per-round ratios) and, in brackets, those ratios'
-    interquartile range: how far one load's median can move from run to run on a noisy machine."""
-    ratios = [p / t for p, t in zip(systems["plain"]["times"], systems[name]["times"])]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return f"{systems[name]['speedup']:.2f}x ({q1:.2f}-{q3:.2f})"
+def with_ci(median: float, ci: tuple[float, float]) -> str:
+    """A speed-up and, in brackets, the 95% interval of its median: how far a load's median may be from the
+    machine's true ratio with this many rounds."""
+    return f"{median:.2f}x [{ci[0]:.2f}-{ci[1]:.2f}]"
+
+
+def below(ci: tuple[float, float], floor: float = 0.97) -> bool:
+    """Slower than ``floor`` x plain with confidence: the whole interval lies below it."""
+    return ci[1] < floor
 
 
 def tables(d: dict) -> str:
-    lines = ["| method | batch | T | plain tok/s | control (IQR of rounds) | adaptive (IQR of rounds) | "
-             "adaptive vs plain & control | best static K | adaptive / best static | adaptive spec-step share | "
-             "adaptive detached-step share |",
+    lines = ["| method | batch | T | plain tok/s | control [95% CI] | adaptive [95% CI] | "
+             "adaptive vs plain & control [95% CI] | best static K | adaptive / best static [95% CI] | "
+             "adaptive spec-step share | adaptive detached-step share |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    slower = []
     for r in d["results"]:
         s = r["systems"]
-        control = with_quartiles(s, "control") if "control" in s else "-"
-        both = f"{speedup_vs_both(s, 'adaptive'):.2f}x" if "control" in s else "-"
+        ci = lambda name: tuple(s[name].get("speedup_ci") or median_ci(  # (JSON written before the intervals)
+            [p / t for p, t in zip(s["plain"]["times"], s[name]["times"])]))
+        control = with_ci(s["control"]["speedup"], ci("control")) if "control" in s else "-"
+        both = with_ci(*speedup_vs_both(s, "adaptive", ci=True)) if "control" in s else "-"
+        best = r["best_static"]
+        vs_best = with_ci(r["adaptive_vs_best_static"], r.get("adaptive_vs_best_static_ci") or median_ci(
+            [b / a for b, a in zip(s[best]["times"], s["adaptive"]["times"])])).replace("x [", " [")
+        if below(ci("adaptive")):
+            slower.append(f"{r['method']} batch {r['batch']} T {r['temperature']}")
         lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']} | {s['plain']['tok_s']:.0f} | {control} | "
-                     f"{with_quartiles(s, 'adaptive')} | {both} | "
-                     f"{r['best_static']} {s[r['best_static']]['speedup']:.2f}x | "
-                     f"{r['adaptive_vs_best_static']:.2f} | {s['adaptive']['spec_step_share']:.2f} | "
+                     f"{with_ci(s['adaptive']['speedup'], ci('adaptive'))} | {both} | "
+                     f"{best} {s[best]['speedup']:.2f}x | {vs_best} | {s['adaptive']['spec_step_share']:.2f} | "
                      f"{s['adaptive'].get('detached_step_share', float('nan')):.2f} |")
+    lines.append("")
+    lines.append(f"Loads slower than 0.97x plain with 95% confidence: {', '.join(slower) if slower else 'none'}.")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()
