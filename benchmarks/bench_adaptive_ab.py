@@ -3,7 +3,8 @@
 A quick A/B for a controller change (``bench_adaptive.py`` runs every load and the fixed K): both LLMs are
 built and compiled first, one untimed round each, then ``--reps`` alternating rounds (which goes first
 alternates too); prints the median speed ratio and the adaptive engine's chosen-K histogram. A batch-1 load
-generates 4 prompts, one call each. ``--baseline static`` compares with a fixed K = ``--k-max`` instead of
+generates 4 prompts, one call each. Also printed: the median over rounds of each round's ratio (the rounds are
+paired) with its 95% confidence interval (``bench_adaptive.median_ci``). ``--baseline static`` compares with a fixed K = ``--k-max`` instead of
 plain decoding; ``--phases`` adds each engine's host time per step in planning (``Engine._plan``) and its
 device call (``StepRunner.run``, fetch included), from wrappers around both.
 
@@ -19,7 +20,7 @@ import statistics
 import time
 
 import specjax
-from bench_adaptive import METHODS
+from bench_adaptive import METHODS, median_ci
 from bench_builtin import token_prompts
 
 
@@ -68,9 +69,11 @@ def main() -> None:
         for name in (("baseline", "adaptive") if rep % 2 == 0 else ("adaptive", "baseline")):
             times[name].append(load(baseline if name == "baseline" else adaptive))
     m = adaptive.get_metrics()
+    paired = [b / a for b, a in zip(times["baseline"], times["adaptive"])]
     print(json.dumps({
         "method": args.method, "batch": args.batch, "temperature": args.temperature, "baseline": args.baseline,
         "adaptive_over_baseline": statistics.median(times["baseline"]) / statistics.median(times["adaptive"]),
+        "paired_ratio": statistics.median(paired), "paired_ratio_ci95": median_ci(paired),
         "k_histogram": m["k_histogram"], "num_detached_steps": m["num_detached_steps"], "times": times,
         "us_per_call": {f"{n}.{p}": round(1e6 * t / max(c, 1), 1) for (n, p), (t, c) in phases.items()},
         "calls": {f"{n}.{p}": c for (n, p), (t, c) in phases.items()},
