@@ -16,7 +16,7 @@ per system and load, then ``--reps`` rounds (``--batch1-reps`` at batch 1). Repo
 speed-up over plain (the median over rounds of each round's ratio), and for adaptive its chosen-K histogram and
 shares of drafting and of detached steps; with the control, also the adaptive system against both plain LLMs
 (the median over rounds of the round's mean of their two times over its own). Each median over rounds comes with
-a 95% confidence interval (:func:`median_ci`: distribution-free, from the rounds' order statistics), and a load
+a 95% confidence interval (``ratios.median_ci``: distribution-free, from the rounds' order statistics), and a load
 counts as slower than 0.97x plain only where the whole interval lies below it. Greedy outputs are checked
 equal to plain decoding's.
 
@@ -50,7 +50,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import statistics
 import sys
 import time
@@ -58,6 +57,7 @@ from pathlib import Path
 
 import specjax
 from bench_builtin import machine_info, reset_suffix_cache, token_prompts
+from ratios import median_ci
 
 logger = logging.getLogger("bench_adaptive")
 
@@ -266,19 +266,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(tables(out))
-
-
-def median_ci(values: list[float], conf: float = 0.95) -> tuple[float, float]:
-    """A confidence interval for the median of ``values`` that assumes nothing of their distribution: the
-    median lies between the k-th smallest and the k-th largest value with probability at least
-    1 - 2 P(Binomial(n, 1/2) <= k - 1); k is the largest for which that reaches ``conf``. With too few values
-    for any k (n < 6 at 95%) the interval is their whole range, which then covers less than ``conf``."""
-    x = sorted(values)
-    n, k = len(x), 1
-    below = lambda j: sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n  # P(Binomial(n, 1/2) <= j)
-    while k < n // 2 and 1 - 2 * below(k) >= conf:
-        k += 1
-    return x[k - 1], x[n - k]
 
 
 def speedup_vs_both(systems: dict, name: str, ci: bool = False):

@@ -4,8 +4,8 @@ A quick A/B for a controller change (``bench_adaptive.py`` runs every load and t
 built and compiled first, one untimed round each, then ``--reps`` alternating rounds (which goes first
 alternates too); prints the median speed ratio and the adaptive engine's chosen-K histogram. A batch-1 load
 generates 4 prompts, one call each. Also printed: the median over rounds of each round's ratio (the rounds are
-paired) with its 95% confidence interval (``bench_adaptive.median_ci``). ``--baseline static`` compares with a fixed K = ``--k-max`` instead of
-plain decoding; ``--phases`` adds each engine's host time per step in planning (``Engine._plan``) and its
+paired) with its 95% confidence interval (``ratios.median_ci``). ``--baseline static`` compares with a fixed
+K = ``--k-max`` instead of plain decoding; ``--phases`` adds each engine's host time per step in planning (``Engine._plan``) and its
 device call (``StepRunner.run``, fetch included), from wrappers around both.
 
     python benchmarks/bench_adaptive_ab.py --method ngram --batch 1 --temperature 0.8 --reps 7
@@ -20,8 +20,9 @@ import statistics
 import time
 
 import specjax
-from bench_adaptive import METHODS, median_ci
+from bench_adaptive import METHODS
 from bench_builtin import token_prompts
+from ratios import median_ci
 
 
 def main() -> None:
