@@ -268,12 +268,16 @@ def main() -> None:
     print(tables(out))
 
 
-def speedup_vs_both(systems: dict, name: str, ci: bool = False):
-    """System ``name``'s speed-up over both plain LLMs: the median over rounds of the mean of plain's and the
-    control's times over its own (half the reference's noise); with ``ci``, (median, its 95% interval)."""
+def ratios_vs_both(systems: dict, name: str) -> list[float]:
+    """System ``name``'s speed-up over both plain LLMs in each round: the mean of plain's and the control's times
+    over its own (half the reference's noise)."""
     both = [(p + c) / 2 for p, c in zip(systems["plain"]["times"], systems["control"]["times"])]
-    ratios = [b / t for b, t in zip(both, systems[name]["times"])]
-    return (statistics.median(ratios), median_ci(ratios)) if ci else statistics.median(ratios)
+    return [b / t for b, t in zip(both, systems[name]["times"])]
+
+
+def speedup_vs_both(systems: dict, name: str) -> float:
+    """The median over rounds of :func:`ratios_vs_both`."""
+    return statistics.median(ratios_vs_both(systems, name))
 
 
 def with_ci(median: float, ci: tuple[float, float]) -> str:
@@ -298,7 +302,8 @@ def tables(d: dict) -> str:
         ci = lambda name: tuple(s[name].get("speedup_ci") or median_ci(  # (JSON written before the intervals)
             [p / t for p, t in zip(s["plain"]["times"], s[name]["times"])]))
         control = with_ci(s["control"]["speedup"], ci("control")) if "control" in s else "-"
-        both = with_ci(*speedup_vs_both(s, "adaptive", ci=True)) if "control" in s else "-"
+        both = ratios_vs_both(s, "adaptive") if "control" in s else None
+        both = with_ci(statistics.median(both), median_ci(both)) if both else "-"
         best = r["best_static"]
         vs_best = with_ci(r["adaptive_vs_best_static"], r.get("adaptive_vs_best_static_ci") or median_ci(
             [b / a for b, a in zip(s[best]["times"], s["adaptive"]["times"])])).replace("x [", " [")
@@ -311,6 +316,7 @@ def tables(d: dict) -> str:
     lines.append("")
     lines.append(f"Loads slower than 0.97x plain with 95% confidence: {', '.join(slower) if slower else 'none'}.")
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()

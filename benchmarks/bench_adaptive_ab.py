@@ -5,8 +5,8 @@ built and compiled first, one untimed round each, then ``--reps`` alternating ro
 alternates too); prints the median speed ratio and the adaptive engine's chosen-K histogram. A batch-1 load
 generates 4 prompts, one call each. Also printed: the median over rounds of each round's ratio (the rounds are
 paired) with its 95% confidence interval (``ratios.median_ci``). ``--baseline static`` compares with a fixed
-K = ``--k-max`` instead of plain decoding; ``--phases`` adds each engine's host time per step in planning (``Engine._plan``) and its
-device call (``StepRunner.run``, fetch included), from wrappers around both.
+K = ``--k-max`` instead of plain decoding; ``--phases`` adds each engine's host time per step in planning
+(``Engine._plan``) and its device call (``StepRunner.run``, fetch included), from wrappers around both.
 
     python benchmarks/bench_adaptive_ab.py --method ngram --batch 1 --temperature 0.8 --reps 7
     python benchmarks/bench_adaptive_ab.py --method ngram --batch 1 --baseline static --phases --reps 6
