@@ -558,6 +558,28 @@ def test_lookup_miss_holds_double_while_planning_costs_more_than_max_planning_sh
     assert holds(0.05) == [3, 7, 15, 31, 31]  # 5%: twice as long for each such plan in a row, up to 8x
 
 
+def test_holds_for_lookups_that_seldom_hit_carry_over_to_new_requests_and_outlast_due_probes():
+    """Once the method's lookups seldom find drafts, each such plan in a row holds twice as long (planning being
+    dear), whichever requests it plans for, and a probe falling due does not end the hold (it would be one more
+    lookup): ngram at batch 1, T 0.8 had planned ~3 times per 64-token request, ~1.15 after."""
+    c = _controller({(2, k, False): 1.0 + 0.1 * k for k in range(K + 1)}, replan_every=4, min_lookup_hits=0.1,
+                    probe_every=8)
+    c.costs.observe_planning((2, False), 0.05)  # planning 5% of a 1 s plain step: dear
+    for rid in "abcd":
+        _teach(c, rid, 0.9)
+
+    def miss(ids):
+        return c.decide(2, c.row_caps(ids, [False] * 2, np.asarray([K, K]), np.asarray([True] * 2)),
+                        found=np.asarray([0, 0]))
+
+    assert [miss(["a", "b"]).hold for _ in range(35)] == [0] * 35  # (lookups do not seldom hit yet)
+    holds = [miss(ids).hold for ids in (["a", "b"], ["c", "d"], ["a", "b"], ["c", "d"], ["c", "d"])]
+    assert holds == [3, 7, 15, 31, 31]  # 4, 8, 16, 32 steps (up to 8x), across requests and past probe_every
+    assert c.decide(2, c.row_caps(["c", "d"], [False] * 2, np.asarray([K, K]), np.asarray([True] * 2)),
+                    found=np.asarray([K, K])).k > 0  # drafts found: they pay
+    assert miss(["c", "d"]).hold == 0  # after a hit, lookups run every step again
+
+
 def test_one_row_whose_lookup_found_nothing_holds_the_plan_a_hit_would_have_made():
     """A miss's held plan is the decision a hit makes, so plans in a row making it hold twice as long each time
     (draft_replan_every), hits and misses alike (ngram at batch 1 greedy had planned before 38% of its steps)."""

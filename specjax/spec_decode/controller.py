@@ -62,6 +62,7 @@ class SpeculationController:
         self._held_ids: list[str] | None = None
         self._draft_held: tuple | None = None  # the last drafting plan's (rows, K, caps) if it held, and how many
         self._draft_holds = 0  # plans in a row before it made the same one
+        self._miss_holds = 0  # plans in a row, any rows, held because the method's lookups seldom hit (see decide)
         self._held_idle: list[str] = []  # the rows the held decision gave no drafts
         self.lookup_hit_rate = 1.0
         """Share of recent plans (an EMA over ~16) where a host lookup found drafts, among those that drafted or
@@ -199,7 +200,7 @@ class SpeculationController:
                                                                                                  plan.sampled)
         self._last_rates = None if detached else ((rows, plan.sampled), chosen_rate, detached_rate)
         ahead = self._ahead(rows, plan, k, cap_row) if not detached else 1
-        hold, held = 0, None
+        hold, held, seldom, miss_holds = 0, None, False, 0
         # One row's host lookup: a held plan is what a hit would make; its held steps verify what each lookup
         # finds, up to the caps, or run plain, as new plans would (not while probing or learning).
         one_lookup = (found is not None and n == 1 and not any(plan.probing)
@@ -226,14 +227,23 @@ class SpeculationController:
                 # batch 1 greedy drafted in 1% of steps, 1.01x plain, fixed K = 2 1.26x. Longer only while
                 # planning costs more than max_planning_share of a plain step.)
                 limit = 0
-                if self.lookup_hit_rate < cfg.min_lookup_hits or (not one_lookup and self._lookups_dear(rows, plan)):
+                if seldom := self.lookup_hit_rate < cfg.min_lookup_hits:
+                    # The method's lookups seldom find drafts: a matter of the method, not of these rows, so the
+                    # doubling carries over to the next request, and a probe falling due does not end the hold (it
+                    # would be one more lookup). ngram at batch 1, T 0.8 on the shipped target, which never drafts
+                    # there, planned ~3 times per 64-token request, each ~0.3-0.5 ms with its lookup.
+                    dear = self._planning_dear(rows, plan.sampled)
+                    limit = (cfg.replan_every << (min(self._miss_holds, 3) if dear else 0)) - 1
+                    miss_holds = self._miss_holds + 1
+                elif not one_lookup and self._lookups_dear(rows, plan):
                     dear = self._planning_dear(rows, plan.sampled)
                     limit = (cfg.replan_every << (min(self._held_plans, 3) if dear else 0)) - 1
                 if not limit and one_lookup:  # held as a hit's plan (the same decision), doubling alike
                     held = self._hit_plan(plan, k_found)
                     limit = self._draft_hold(plan.request_ids, *held)
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
-            hold = max(0, min(limit, plan.until_probe - 1))
+            hold = limit if seldom else max(0, min(limit, plan.until_probe - 1))
+        self._miss_holds = miss_holds
         if not hold or k or held:
             self._held_plans, self._held_ids = 0, None
         # A host lookup's drafts are held for one row only: with more rows, which of them found drafts decides
@@ -497,7 +507,8 @@ class SpeculationController:
         return 1 if k and (few or self._unmeasured(rows, 1, sampled)) else 0
 
     _PLAN_STATE = ("_held_steps", "_detach_votes", "_last_rates", "_held_ids", "_held_plans", "_draft_held",
-                   "_draft_holds", "_held_idle", "num_detached_steps")  # (each reassigned, never changed in place)
+                   "_draft_holds", "_miss_holds", "_held_idle",
+                   "num_detached_steps")  # (each reassigned, never changed in place)
 
     def plan_state(self, request_ids: list[str]) -> tuple:
         """What :meth:`row_caps` and :meth:`decide` for ``request_ids`` change, for :meth:`restore_plan_state`."""

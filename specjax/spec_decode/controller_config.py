@@ -116,8 +116,9 @@ class ControllerConfig:
     (:attr:`SpeculationController.lookup_saving`)."""
     max_planning_share: float = 0.01
     """Where only a host lookup's misses keep steps plain and lookups seldom hit, such a plan is held for
-    ``replan_every`` steps, and twice as long for each such plan in a row for the same rows (up to 8x) while the
-    controller's planning costs more than this share of a plain step (ngram at batch 1, T 0.8 on the shipped
+    ``replan_every`` steps, and twice as long for each such plan in a row, whichever requests it plans for (up to
+    8x; a probe falling due does not end it), while the controller's planning costs more than this share of a
+    plain step (ngram at batch 1, T 0.8 on the shipped
     target: a plan with its lookup every 8 steps, ~0.33 ms each in a ~2 ms step, read 0.93-0.97x plain)."""
 
     shadow_band: float = 1.5
