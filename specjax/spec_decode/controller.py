@@ -200,7 +200,7 @@ class SpeculationController:
                                                                                                  plan.sampled)
         self._last_rates = None if detached else ((rows, plan.sampled), chosen_rate, detached_rate)
         ahead = self._ahead(rows, plan, k, cap_row) if not detached else 1
-        hold, held, seldom, miss_holds = 0, None, False, 0
+        hold, held, seldom = 0, None, False
         # One row's host lookup: a held plan is what a hit would make; its held steps verify what each lookup
         # finds, up to the caps, or run plain, as new plans would (not while probing or learning).
         one_lookup = (found is not None and n == 1 and not any(plan.probing)
@@ -227,23 +227,21 @@ class SpeculationController:
                 # batch 1 greedy drafted in 1% of steps, 1.01x plain, fixed K = 2 1.26x. Longer only while
                 # planning costs more than max_planning_share of a plain step.)
                 limit = 0
-                if seldom := self.lookup_hit_rate < cfg.min_lookup_hits:
-                    # The method's lookups seldom find drafts: a matter of the method, not of these rows, so the
-                    # doubling carries over to the next request, and a probe falling due does not end the hold (it
-                    # would be one more lookup). ngram at batch 1, T 0.8 on the shipped target, which never drafts
-                    # there, planned ~3 times per 64-token request, each ~0.3-0.5 ms with its lookup.
+                seldom = self.lookup_hit_rate < cfg.min_lookup_hits
+                if seldom or (not one_lookup and self._lookups_dear(rows, plan)):
+                    # Where the method's lookups seldom find drafts, that is a matter of the method, not of these
+                    # rows: the doubling carries over to the next request, and a probe falling due does not end the
+                    # hold (it would be one more lookup). ngram at batch 1, T 0.8 on the shipped target, which never
+                    # drafts there, planned ~3 times per 64-token request, each ~0.3-0.5 ms with its lookup.
+                    in_row = self._miss_holds if seldom else self._held_plans
                     dear = self._planning_dear(rows, plan.sampled)
-                    limit = (cfg.replan_every << (min(self._miss_holds, 3) if dear else 0)) - 1
-                    miss_holds = self._miss_holds + 1
-                elif not one_lookup and self._lookups_dear(rows, plan):
-                    dear = self._planning_dear(rows, plan.sampled)
-                    limit = (cfg.replan_every << (min(self._held_plans, 3) if dear else 0)) - 1
+                    limit = (cfg.replan_every << (min(in_row, 3) if dear else 0)) - 1
                 if not limit and one_lookup:  # held as a hit's plan (the same decision), doubling alike
                     held = self._hit_plan(plan, k_found)
                     limit = self._draft_hold(plan.request_ids, *held)
             # The rows' idle counts grow by one here; the first probe comes until_probe steps from now.
             hold = limit if seldom else max(0, min(limit, plan.until_probe - 1))
-        self._miss_holds = miss_holds
+        self._miss_holds = self._miss_holds + 1 if seldom else 0
         if not hold or k or held:
             self._held_plans, self._held_ids = 0, None
         # A host lookup's drafts are held for one row only: with more rows, which of them found drafts decides
